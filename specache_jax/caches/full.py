@@ -1,0 +1,55 @@
+"""The 16-bit full cache: the baseline every other method is measured against."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax.numpy as jnp
+from flax import struct
+
+from specache_jax.caches import attention as A
+from specache_jax.caches.base import CacheConfig, stack_layers, tree_nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class FullConfig(CacheConfig):
+  name = "full"
+
+  @property
+  def impl(self):
+    return sys.modules[__name__]
+
+
+@struct.dataclass
+class State:
+  k: jnp.ndarray   # [B, K, S, H]
+  v: jnp.ndarray   # [B, K, S, H]
+
+
+def init(cfg: FullConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
+  shape = (batch, model_cfg.n_kv_heads, cfg.slots(max_len), model_cfg.head_dim)
+  return stack_layers(model_cfg.n_layers, State(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+
+
+def prefill(cfg, st: State, k, v, lengths, colsum=None) -> State:
+  del cfg, colsum
+  start = jnp.zeros_like(lengths)
+  return State(k=A.write_rows(st.k, jnp.swapaxes(k, 1, 2), start),
+               v=A.write_rows(st.v, jnp.swapaxes(v, 1, 2), start))
+
+
+def attend(cfg, st: State, q, k_new, v_new, lengths):
+  """Every cached slot < lengths plus the new rows (causal); all T new rows are stored."""
+  del cfg
+  b, t, _, _ = q.shape
+  n_kv, s = st.k.shape[1], st.k.shape[2]
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)           # [B, K, T, H]
+  sm_scale = q.shape[-1] ** -0.5
+  out, _ = A.segmented_attention(
+      q, [(st.k, st.v, A.valid_cols_mask(lengths, s, t)), (kn, vn, A.causal_new_mask(b, t))], sm_scale, n_kv)
+  st = State(k=A.write_rows(st.k, kn, lengths), v=A.write_rows(st.v, vn, lengths))
+  return out, st, {}
+
+
+def device_bytes(cfg, st: State) -> int:
+  return tree_nbytes(st)

@@ -1,0 +1,130 @@
+"""The decoder: a pure function of params, tokens and an explicit cache pytree.
+
+  logits, cache, aux = forward(params, cfg, tokens[B,T], cache, method, phase)
+
+One per-layer function (`layer_forward`: norm -> q/k/v + RoPE -> attention through the cache method -> o_proj ->
+norm -> SwiGLU) serves the jitted whole-model forward (a `lax.scan` over the stacked layers) and the offload
+runtime (which calls it layer by layer). Phases:
+  "prefill"   causal attention over the right-padded prompt in full precision; the method stores K/V.
+  "decode"    the new rows attend through the method (`attend`), which stores what it keeps.
+  "predecode" SpeCache's extra pass (`predecode`): attend to the low-bit cache, pick κ, store nothing.
+Axis letters as in caches/attention.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specache_jax.caches import attention as A
+from specache_jax.caches.base import Cache, CacheConfig
+from specache_jax.model.config import ModelConfig
+from specache_jax.model.layers import apply_rope, rms_norm, swiglu_mlp
+
+PHASES = ("prefill", "decode", "predecode")
+
+
+def positions_for(phase: str, lengths_B, t: int):
+  """[B, T] positions of the new rows: a prompt starts at 0; decoding rows follow the stored tokens."""
+  offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+  if phase == "prefill":
+    return jnp.broadcast_to(offsets, (lengths_B.shape[0], t))
+  return lengths_B[:, None].astype(jnp.int32) + offsets
+
+
+def qkv(cfg: ModelConfig, lp, h_BTD, positions_BT):
+  """Projections + RoPE: q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]."""
+  b, t, _ = h_BTD.shape
+  q = jnp.einsum("btd,de->bte", h_BTD, lp["wq"])
+  k = jnp.einsum("btd,de->bte", h_BTD, lp["wk"])
+  v = jnp.einsum("btd,de->bte", h_BTD, lp["wv"])
+  if cfg.qkv_bias:
+    q = q + lp["bq"][None, None, :]
+    k = k + lp["bk"][None, None, :]
+    v = v + lp["bv"][None, None, :]
+  q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+  k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  return apply_rope(q, positions_BT, cfg), apply_rope(k, positions_BT, cfg), v
+
+
+def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str):
+  """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode).
+
+  Returns (x [B,T,D], new per-layer state, aux dict)."""
+  b, t, _ = x_BTD.shape
+  h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
+  q, k, v = qkv(cfg, lp, h, positions_for(phase, lengths_B, t))
+  aux = {}
+  if phase == "prefill":
+    want_colsum = method is not None and method.needs_attention_colsum
+    attn, colsum = A.prefill_attention(q, k, v, lengths_B, cfg.head_dim ** -0.5, want_colsum)
+    if method is not None:
+      st = method.impl.prefill(method, st, k, v, lengths_B, colsum)
+  elif phase == "decode":
+    attn, st, aux = method.impl.attend(method, st, q, k, v, lengths_B)
+  elif phase == "predecode":
+    attn, st, aux = method.impl.predecode(method, st, q, k, v, lengths_B)
+  else:
+    raise ValueError(f"phase={phase!r} must be one of {PHASES}")
+  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn.reshape(b, t, -1), lp["wo"])
+  x_BTD = x_BTD + swiglu_mlp(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp)
+  return x_BTD, st, aux
+
+
+def embed(params, tokens_BT):
+  return jnp.take(params["embed"], tokens_BT, axis=0)
+
+
+def lm_head(params, cfg: ModelConfig, x_BTD):
+  """Final norm + LM head -> float32 logits [B, T, V]."""
+  h = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
+  if cfg.tie_embeddings:
+    return jnp.einsum("btd,vd->btv", h, params["embed"]).astype(jnp.float32)
+  return jnp.einsum("btd,dv->btv", h, params["lm_head"]).astype(jnp.float32)
+
+
+def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: CacheConfig | None,
+            phase: str = "decode", prompt_lengths=None, logits_at=None):
+  """The whole model over the stacked layers.
+
+  tokens [B, T] int32. prefill: `prompt_lengths` [B] (valid tokens per right-padded row; default T), the cache
+  (if any) must be empty. decode/predecode: new rows follow `cache.lengths`.
+  logits_at: None for logits at every row, or [B] row indices -> logits [B, 1, V] (saves the [B,T,V] head on
+  long prompts). Returns (logits float32, cache, aux with leaves [L, ...]).
+  """
+  b, t = tokens_BT.shape
+  if phase == "prefill":
+    lengths = (jnp.full((b,), t, jnp.int32) if prompt_lengths is None
+               else jnp.asarray(prompt_lengths, jnp.int32))
+  else:
+    lengths = cache.lengths
+  x = embed(params, tokens_BT)
+
+  def body(x, layer):
+    lp, st = layer
+    x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
+    return x, (st, aux)
+
+  layer_states = None if cache is None else cache.layers
+  x, (new_states, aux) = jax.lax.scan(body, x, (params["layers"], layer_states))
+  if logits_at is not None:
+    x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
+  logits = lm_head(params, cfg, x)
+  if cache is None:
+    return logits, None, aux
+  if phase == "prefill":
+    new_lengths = lengths
+  elif phase == "decode":
+    new_lengths = cache.lengths + method.rows_stored(t, phase)
+  else:
+    new_lengths = cache.lengths
+  return logits, Cache(layers=new_states, lengths=new_lengths), aux
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_full(params, cfg: ModelConfig, tokens_BT, lengths=None):
+  """Cache-free causal forward: float32 logits [B, T, V] (rows past a row's length are padding)."""
+  logits, _, _ = forward(params, cfg, tokens_BT, None, None, "prefill", prompt_lengths=lengths)
+  return logits
