@@ -1,0 +1,22 @@
+"""Pallas kernels for the low-bit path: packed-key scoring and fused mixed-precision decode attention.
+
+Both target the Triton GPU backend (see `quant_scores.py` for why not Mosaic GPU) and run on the CPU in
+interpret mode. Each op has a float32 jnp `*_reference` with the same signature.
+"""
+import jax
+
+from pallas_kernels.mixed_decode_attention import MixedAttentionBlock
+from pallas_kernels.mixed_decode_attention import mixed_decode_attention
+from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
+from pallas_kernels.quant_scores import QuantScoresBlock
+from pallas_kernels.quant_scores import quant_scores
+from pallas_kernels.quant_scores import quant_scores_reference
+
+# How attention over the low-bit cache is computed: plain jnp, the Pallas kernels compiled for the GPU,
+# or the same kernels in Pallas interpret mode (any backend, slow; for tests).
+ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
+
+
+def default_attention_impl() -> str:
+  """"pallas" on a GPU backend, else "jnp" (Pallas runs only in interpret mode on the CPU)."""
+  return "pallas" if jax.default_backend() == "gpu" else "jnp"
