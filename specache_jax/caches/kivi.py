@@ -1,0 +1,93 @@
+"""KIVI: the whole cache in low bits (keys per channel, values per token) plus a 16-bit residual window."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax.numpy as jnp
+from flax import struct
+
+from specache_jax import quant
+from specache_jax.caches import attention as A
+from specache_jax.caches import lowbit
+from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.model.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviConfig(CacheConfig):
+  name = "kivi"
+  bits: int = 2                 # 1, 2, 4 or 8
+  group_size: int = 32          # g
+  residual: int = 128           # R, 16-bit recent tokens (g | R)
+  one_bit: str = "kivi"         # the 1-bit rule: "kivi" (levels m, M) or "specache"
+
+  def __post_init__(self):
+    if self.bits not in quant.BITS:
+      raise ConfigError(f"bits={self.bits!r} must be one of {quant.BITS}")
+    check_int("group_size", self.group_size, 1)
+    check_int("residual", self.residual, 1)
+    if self.residual % self.group_size:
+      raise ConfigError(f"group_size={self.group_size} must divide residual={self.residual} "
+                        "(keys are quantized a whole residual window at a time)")
+    if self.one_bit not in quant.ONE_BIT_RULES:
+      raise ConfigError(f"one_bit={self.one_bit!r} must be one of {quant.ONE_BIT_RULES}")
+
+  @property
+  def impl(self):
+    return sys.modules[__name__]
+
+  def validate(self, model_cfg, max_len):
+    try:
+      quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  def slots(self, max_len):
+    return lowbit.round_slots(max_len, self.residual)
+
+  @property
+  def qargs(self):
+    return dict(bits=self.bits, group_size=self.group_size, residual=self.residual, one_bit=self.one_bit)
+
+
+@struct.dataclass
+class State:
+  low: lowbit.LowBit
+
+
+def init(cfg: KiviConfig, model_cfg, batch, max_len, dtype) -> State:
+  cfg.validate(model_cfg, max_len)
+  low = lowbit.init(batch, model_cfg.n_kv_heads, cfg.slots(max_len), model_cfg.head_dim, cfg.bits,
+                    cfg.group_size, cfg.residual, dtype)
+  return stack_layers(model_cfg.n_layers, State(low=low))
+
+
+def prefill(cfg: KiviConfig, st: State, k, v, lengths, colsum=None) -> State:
+  del colsum
+  return State(low=lowbit.prefill(st.low, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), lengths,
+                                  **cfg.qargs))
+
+
+def attend(cfg: KiviConfig, st: State, q, k_new, v_new, lengths):
+  b, t, _, _ = q.shape
+  n_kv = k_new.shape[2]
+  keys, values = lowbit.dequantized(st.low, bits=cfg.bits, group_size=cfg.group_size)
+  s = keys.shape[2]
+  _, val_qlen = lowbit.boundaries(lengths, cfg.residual)
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=cfg.bits, group_size=cfg.group_size,
+                                                 residual=cfg.residual)
+  ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
+  ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, cfg.residual))
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
+  out, _ = A.segmented_attention(
+      q, [(keys, values, A.valid_cols_mask(val_qlen, s, t)), (ring_k, ring_v, ring_mask),
+          (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
+  low = st.low
+  for i in range(t):
+    low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **cfg.qargs)
+  return out, State(low=low), {}
+
+
+def device_bytes(cfg, st: State) -> int:
+  return lowbit.nbytes(st.low)

@@ -1,0 +1,152 @@
+"""The low-bit device copy shared by KIVI and SpeCache: packed codes + a 16-bit residual ring.
+
+Positions p < len are stored. With residual R (g | R):
+  keys   are low-bit for p < key_qlen = R * floor(len / R)   (a whole window of R is quantized when it fills)
+  values are low-bit for p < val_qlen = max(0, len - R)      (each token is quantized as it leaves the window)
+  the ring [B, K, R, H] holds the last R positions of K and V at slot p % R.
+So positions in [val_qlen, key_qlen) have a low-bit key and a 16-bit value; [key_qlen, len) are 16-bit.
+Axis letters as in caches/attention.py; C packed bytes, P = S / g key groups.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specache_jax import quant
+from specache_jax.caches import attention as A
+
+
+@struct.dataclass
+class LowBit:
+  k_codes: jax.Array   # uint8 [B, K, S, C]
+  k_scale: jax.Array   # [B, K, P, H]
+  k_zero: jax.Array    # [B, K, P, H]
+  v_codes: jax.Array   # uint8 [B, K, S, C]
+  v_scale: jax.Array   # [B, K, S, H/g]
+  v_zero: jax.Array    # [B, K, S, H/g]
+  ring_k: jax.Array    # [B, K, R, H] 16-bit, slot p % R
+  ring_v: jax.Array    # [B, K, R, H]
+
+
+def boundaries(lengths_B, residual: int):
+  """(key_qlen [B], val_qlen [B])."""
+  return (lengths_B // residual) * residual, jnp.maximum(lengths_B - residual, 0)
+
+
+def round_slots(max_len: int, residual: int) -> int:
+  return -(-max_len // residual) * residual
+
+
+def init(batch: int, n_kv: int, slots: int, head_dim: int, bits: int, group_size: int, residual: int,
+         dtype) -> LowBit:
+  c = head_dim * bits // 8
+  shape_codes = (batch, n_kv, slots, c)
+  return LowBit(
+      k_codes=jnp.zeros(shape_codes, jnp.uint8),
+      k_scale=jnp.zeros((batch, n_kv, slots // group_size, head_dim), dtype),
+      k_zero=jnp.zeros((batch, n_kv, slots // group_size, head_dim), dtype),
+      v_codes=jnp.zeros(shape_codes, jnp.uint8),
+      v_scale=jnp.zeros((batch, n_kv, slots, head_dim // group_size), dtype),
+      v_zero=jnp.zeros((batch, n_kv, slots, head_dim // group_size), dtype),
+      ring_k=jnp.zeros((batch, n_kv, residual, head_dim), dtype),
+      ring_v=jnp.zeros((batch, n_kv, residual, head_dim), dtype))
+
+
+def ring_positions(lengths_B, residual: int):
+  """[B, R]: the position held by each ring slot (the newest p < len with p % R == slot), -1 if none."""
+  slot = jnp.arange(residual, dtype=jnp.int32)[None, :]
+  last = lengths_B[:, None] - 1
+  pos = last - jnp.mod(last - slot, residual)
+  return jnp.where(pos >= 0, pos, -1)
+
+
+def _update_rows(buf, rows, start_B, enable_B):
+  """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged)."""
+  def one(buf, rows, start, enable):
+    old = jax.lax.dynamic_slice(buf, (0, start, 0), rows.shape)
+    return jax.lax.dynamic_update_slice(buf, jnp.where(enable, rows.astype(buf.dtype), old), (0, start, 0))
+  return jax.vmap(one)(buf, rows, start_B, enable_B)
+
+
+def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
+  """Store a right-padded prompt (cache empty before). Groups past a row's key_qlen hold padding that is
+  never read as low-bit and is rewritten when the ring flushes."""
+  b, n_kv, t, h = k_BKTH.shape
+  s = st.k_codes.shape[2]
+  t_pad = min(-(-t // residual) * residual, s)
+  kp = jnp.pad(k_BKTH, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))[:, :, :t_pad]
+  vp = jnp.pad(v_BKTH, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))[:, :, :t_pad]
+  qk = quant.quantize_keys(kp, bits, group_size, one_bit, dtype=st.k_scale.dtype)
+  qv = quant.quantize_values(vp, bits, group_size, one_bit, dtype=st.v_scale.dtype)
+  zero = jnp.zeros((b,), jnp.int32)
+  ring_pos = ring_positions(lengths_B, residual)                       # [B, R]
+  idx = jnp.broadcast_to(jnp.maximum(ring_pos, 0)[:, None, :], (b, n_kv, residual))
+  return LowBit(
+      k_codes=A.write_rows(st.k_codes, qk.codes, zero),
+      k_scale=A.write_rows(st.k_scale, qk.scale, zero),
+      k_zero=A.write_rows(st.k_zero, qk.zero, zero),
+      v_codes=A.write_rows(st.v_codes, qv.codes, zero),
+      v_scale=A.write_rows(st.v_scale, qv.scale, zero),
+      v_zero=A.write_rows(st.v_zero, qv.zero, zero),
+      ring_k=A.gather_rows(k_BKTH, idx).astype(st.ring_k.dtype),
+      ring_v=A.gather_rows(v_BKTH, idx).astype(st.ring_v.dtype))
+
+
+def append(st: LowBit, k_BKH, v_BKH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
+  """Store one new row per batch row at position lengths[b]; flush the key window when it fills."""
+  b, n_kv, h = k_BKH.shape
+  pos = lengths_B
+  slot = jnp.mod(pos, residual)
+  ring_k = A.write_rows(st.ring_k, k_BKH[:, :, None], slot)
+  ring_v = A.write_rows(st.ring_v, v_BKH[:, :, None], slot)
+  qv = quant.quantize_values(v_BKH[:, :, None], bits, group_size, one_bit, dtype=st.v_scale.dtype)
+  v_codes = A.write_rows(st.v_codes, qv.codes, pos)
+  v_scale = A.write_rows(st.v_scale, qv.scale, pos)
+  v_zero = A.write_rows(st.v_zero, qv.zero, pos)
+  new_len = pos + 1
+  flush = jnp.mod(new_len, residual) == 0                              # ring holds [new_len - R, new_len)
+  start = jnp.maximum(new_len - residual, 0)
+  qk = quant.quantize_keys(ring_k, bits, group_size, one_bit, dtype=st.k_scale.dtype)
+  return LowBit(
+      k_codes=_update_rows(st.k_codes, qk.codes, start, flush),
+      k_scale=_update_rows(st.k_scale, qk.scale, start // group_size, flush),
+      k_zero=_update_rows(st.k_zero, qk.zero, start // group_size, flush),
+      v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, ring_k=ring_k, ring_v=ring_v)
+
+
+def dequantized(st: LowBit, *, bits, group_size, dtype=jnp.float32):
+  """The whole low-bit copy dequantized: (keys [B,K,S,H], values [B,K,S,H]) — the jnp reference path."""
+  keys = quant.dequantize_keys(quant.QuantizedKeys(st.k_codes, st.k_scale, st.k_zero), bits, group_size, dtype)
+  values = quant.dequantize_values(quant.QuantizedValues(st.v_codes, st.v_scale, st.v_zero), bits,
+                                   group_size, dtype)
+  return keys, values
+
+
+def dequantized_key_rows(st: LowBit, pos_BKX, *, bits, group_size, dtype=jnp.float32):
+  """Dequantize only the key rows at positions [B, K, X] -> [B, K, X, H] (clipped into range)."""
+  h = st.k_scale.shape[-1]
+  codes = A.gather_rows(st.k_codes, pos_BKX)                            # [B, K, X, C]
+  grp = jnp.clip(pos_BKX, 0, None) // group_size
+  scale = A.gather_rows(st.k_scale, grp)
+  zero = A.gather_rows(st.k_zero, grp)
+  return quant.dequantize_minmax(quant.unpack_bits(codes, bits, h), scale, zero, dtype)
+
+
+def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp.float32):
+  """The ring as attention columns: (keys [B,K,R,H], values [B,K,R,H], positions [B,K,R]).
+
+  A ring slot whose position is below key_qlen has a quantized key (KIVI's rule), so its key column is the
+  dequantized low-bit key; above it, the 16-bit ring key. Values are always the 16-bit ring values.
+  """
+  b, n_kv = st.ring_k.shape[:2]
+  key_qlen, _ = boundaries(lengths_B, residual)
+  pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
+  low_keys = dequantized_key_rows(st, pos, bits=bits, group_size=group_size, dtype=dtype)
+  use_16 = (pos >= key_qlen[:, None, None])[..., None]
+  keys = jnp.where(use_16, st.ring_k.astype(dtype), low_keys)
+  return keys, st.ring_v, pos
+
+
+def nbytes(st: LowBit) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(st)))

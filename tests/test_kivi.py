@@ -1,0 +1,74 @@
+"""KIVI through the shared low-bit store: 8-bit is close to full; the window rules hold."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from specache_jax.caches import lowbit
+from tests.tiny import random_prompts, tiny_model
+
+
+def _logits_through(model, method, prompt, steps):
+  from specache_jax.decode import init_cache
+  from specache_jax.model.decoder import forward
+  cfg, params = model.config, model.params
+  toks = jnp.asarray([prompt])
+  cache = init_cache(method, cfg, 1, method.slots(len(prompt) + steps + 4), jnp.float32)
+  _, cache, _ = forward(params, cfg, toks[:, :len(prompt) - steps], cache, method, "prefill")
+  out = []
+  for t in range(len(prompt) - steps, len(prompt)):
+    logits, cache, _ = forward(params, cfg, toks[:, t:t + 1], cache, method, "decode")
+    out.append(logits[0, 0])
+  return jnp.stack(out)
+
+
+def test_ring_positions_hold_the_last_window():
+  pos = lowbit.ring_positions(jnp.asarray([0, 3, 8, 11]), 4)
+  assert pos.tolist() == [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]]
+
+
+def test_kivi_error_shrinks_with_bits_and_8_bit_is_close_to_full():
+  model = tiny_model(seed=11, head_dim=16)
+  prompt = random_prompts(1, [70], model.config.vocab_size)[0]
+  ref = sj.forward(model, np.asarray([prompt]))[0, -30:]
+  err = {}
+  for bits in (8, 4, 2):
+    method = sj.cache_config("kivi", bits=bits, group_size=8, residual=16)
+    err[bits] = float(jnp.max(jnp.abs(_logits_through(model, method, prompt, 30) - ref)))
+  # the step shrinks 17x from 4 to 8 bits and 5x from 2 to 4 bits; the logit error follows it
+  assert err[8] < err[4] / 6 < err[2] / 12, err
+  assert err[8] < 0.05 * float(jnp.max(jnp.abs(ref))), err
+
+
+def test_kivi_with_residual_covering_everything_is_exact():
+  model = tiny_model(seed=12, head_dim=16)
+  prompt = random_prompts(2, [40], model.config.vocab_size)[0]
+  ref = sj.forward(model, np.asarray([prompt]))[0, -20:]
+  # R=64 > 40 tokens: nothing is ever quantized, KIVI equals the full cache.
+  method = sj.cache_config("kivi", bits=1, group_size=8, residual=64)
+  got = _logits_through(model, method, prompt, 20)
+  np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_kivi_batched_ragged_equals_alone():
+  model = tiny_model(seed=13, head_dim=16)
+  prompts = random_prompts(3, [9, 30, 21], model.config.vocab_size)
+  method = sj.cache_config("kivi", bits=2, group_size=8, residual=16)
+  batched = sj.generate(model, prompts, max_new_tokens=20, cache=method, stop_tokens=())
+  for i, p in enumerate(prompts):
+    alone = sj.generate(model, [p], max_new_tokens=20, cache=method, stop_tokens=())
+    np.testing.assert_array_equal(batched.tokens[i], alone.tokens[0])
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(bits=3), "bits=3"), (dict(group_size=24, residual=64), "must divide residual"),
+    (dict(one_bit="x"), "one_bit"), (dict(residual=0), "residual=0")])
+def test_bad_kivi_configs(settings, match):
+  with pytest.raises(ValueError, match=match):
+    sj.cache_config("kivi", **settings)
+
+
+def test_group_not_dividing_head_dim_fails_before_compiling():
+  model = tiny_model(seed=0, head_dim=16)
+  with pytest.raises(ValueError, match="must divide head_dim=16"):
+    sj.generate(model, [[1, 2, 3]], cache=sj.cache_config("kivi", group_size=32, residual=64))
