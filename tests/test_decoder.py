@@ -7,7 +7,8 @@ import pytest
 import specache_jax as sj
 from specache_jax.caches import cache_config
 from specache_jax.decode import init_cache
-from specache_jax.model.decoder import forward, forward_full
+from specache_jax.model.decoder import forward_full
+from specache_jax.model.decoder import forward_jit as forward
 from tests.tiny import random_prompts, tiny_model
 
 

@@ -10,7 +10,7 @@ from tests.tiny import random_prompts, tiny_model
 
 def _logits_through(model, method, prompt, steps):
   from specache_jax.decode import init_cache
-  from specache_jax.model.decoder import forward
+  from specache_jax.model.decoder import forward_jit as forward
   cfg, params = model.config, model.params
   toks = jnp.asarray([prompt])
   cache = init_cache(method, cfg, 1, method.slots(len(prompt) + steps + 4), jnp.float32)

@@ -128,3 +128,7 @@ def forward_full(params, cfg: ModelConfig, tokens_BT, lengths=None):
   """Cache-free causal forward: float32 logits [B, T, V] (rows past a row's length are padding)."""
   logits, _, _ = forward(params, cfg, tokens_BT, None, None, "prefill", prompt_lengths=lengths)
   return logits
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "method", "phase"))
+"""`forward` compiled once per (cfg, method, phase, shapes): what tests and step-by-step callers use."""

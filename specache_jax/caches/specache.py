@@ -1,0 +1,258 @@
+"""SpeCache: a low-bit copy of the whole cache on the device, the complete 16-bit cache in (simulated) host
+memory, top-k 16-bit rows per KV head fetched every step, picked by a speculative second token.
+
+Decoding step t (per layer), input rows [T_t, T'_{t+1}] at positions n, n+1 (n = tokens stored):
+  columns: every stored position once — the fetched rows κ_t and the residual window in 16-bit, the rest
+  low-bit — plus the two new rows (the real row cannot see the speculative one: causal order).
+  κ_{t+1} = top-k of the speculative row's probabilities averaged over each GQA group, candidates 0..n.
+  Only the real row's K/V is stored. Pre-decoding (`predecode`) runs T1 over the low-bit copy alone and
+  picks κ_1. `speculative=False` is the ablation that picks κ_t from the real row's own low-bit attention.
+
+Simulated mode (`offload=False`): `k16/v16` are device arrays that attention reads ONLY through the gather at
+κ (`fetch_simulated`). Offloaded mode (`offload=True`): they are absent ([B,K,0,H]); the runtime keeps them in
+host memory, reads `kappa`, `new_k/new_v` from the state and writes `fetched_k/fetched_v` back.
+Axis letters as in caches/attention.py; X = k fetched rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specache_jax import quant
+from specache_jax.caches import attention as A
+from specache_jax.caches import lowbit
+from specache_jax.caches.base import CacheConfig, check_int, stack_layers, tree_nbytes
+from specache_jax.model.config import ConfigError
+
+ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeCacheConfig(CacheConfig):
+  name = "specache"
+  bits: int = 2                 # low-bit copy: 1, 2 (paper), 4, 8 (ablations)
+  group_size: int = 64          # g
+  residual: int = 64            # R, 16-bit recent tokens on the device (g | R)
+  topk: int = 64                # k rows fetched per layer per KV head per step
+  one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4) or "kivi" (ablation)
+  speculative: bool = True      # False: κ_t from the real token's own low-bit attention, fetched synchronously
+  offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
+  track_hits: bool = False      # also compute the real query's exact top-k over 16-bit keys (hit rates)
+  attention_impl: str = "jnp"   # jnp | pallas | pallas_interpret (pallas_kernels/mixed_decode_attention)
+
+  def __post_init__(self):
+    if self.bits not in quant.BITS:
+      raise ConfigError(f"bits={self.bits!r} must be one of {quant.BITS}")
+    check_int("group_size", self.group_size, 1)
+    check_int("residual", self.residual, 1)
+    check_int("topk", self.topk, 0)
+    if self.residual % self.group_size:
+      raise ConfigError(f"group_size={self.group_size} must divide residual={self.residual} "
+                        "(keys are quantized a whole residual window at a time)")
+    if self.one_bit not in quant.ONE_BIT_RULES:
+      raise ConfigError(f"one_bit={self.one_bit!r} must be one of {quant.ONE_BIT_RULES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ConfigError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+
+  @property
+  def impl(self):
+    return sys.modules[__name__]
+
+  @property
+  def decode_width(self) -> int:
+    return 2 if self.speculative else 1
+
+  @property
+  def uses_predecode(self) -> bool:
+    return self.speculative
+
+  def rows_stored(self, t, phase):
+    return 1 if (phase == "decode" and self.speculative) else t
+
+  def slots(self, max_len):
+    return lowbit.round_slots(max_len, self.residual)
+
+  def validate(self, model_cfg, max_len):
+    try:
+      quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if self.topk > self.slots(max_len):
+      raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
+                        f"max_len={max_len})")
+
+  @property
+  def qargs(self):
+    return dict(bits=self.bits, group_size=self.group_size, residual=self.residual, one_bit=self.one_bit)
+
+
+@struct.dataclass
+class State:
+  low: lowbit.LowBit       # the low-bit copy + 16-bit residual ring (device)
+  k16: jax.Array           # [B, K, S, H] complete 16-bit keys ("host"; [B, K, 0, H] when offloaded)
+  v16: jax.Array           # [B, K, S, H]
+  kappa: jax.Array         # [B, K, X] int32 positions to use in 16-bit at the next attend
+  fetched_k: jax.Array     # [B, K, X, H] the 16-bit rows at kappa (device)
+  fetched_v: jax.Array     # [B, K, X, H]
+  new_k: jax.Array         # [B, K, 1, H] the real row stored by the last call (the runtime copies it to host)
+  new_v: jax.Array         # [B, K, 1, H]
+
+
+def init(cfg: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
+  cfg.validate(model_cfg, max_len)
+  s, k, h, x = cfg.slots(max_len), model_cfg.n_kv_heads, model_cfg.head_dim, cfg.topk
+  host = (batch, k, 0 if cfg.offload else s, h)
+  st = State(
+      low=lowbit.init(batch, k, s, h, cfg.bits, cfg.group_size, cfg.residual, dtype),
+      k16=jnp.zeros(host, dtype), v16=jnp.zeros(host, dtype),
+      kappa=jnp.zeros((batch, k, x), jnp.int32),
+      fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
+      new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype))
+  return stack_layers(model_cfg.n_layers, st)
+
+
+def prefill(cfg: SpeCacheConfig, st: State, k, v, lengths, colsum=None) -> State:
+  del colsum
+  k_BKTH, v_BKTH = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  st = st.replace(low=lowbit.prefill(st.low, k_BKTH, v_BKTH, lengths, **cfg.qargs))
+  if not cfg.offload:
+    zero = jnp.zeros_like(lengths)
+    st = st.replace(k16=A.write_rows(st.k16, k_BKTH, zero), v16=A.write_rows(st.v16, v_BKTH, zero))
+  return st
+
+
+def fetch_simulated(st: State, kappa_BKX) -> State:
+  """The simulated transfer: the only read of the 16-bit cache, a gather at κ."""
+  return st.replace(kappa=kappa_BKX, fetched_k=A.gather_rows(st.k16, kappa_BKX),
+                    fetched_v=A.gather_rows(st.v16, kappa_BKX))
+
+
+def select(cfg: SpeCacheConfig, probs_BKS, n_candidates_B):
+  """κ = top-k positions of the group-averaged probabilities among positions < n_candidates."""
+  s = probs_BKS.shape[-1]
+  ok = jnp.arange(s)[None, None, :] < n_candidates_B[:, None, None]
+  scores = jnp.where(ok, probs_BKS, -1.0)
+  return jax.lax.top_k(scores, cfg.topk)[1].astype(jnp.int32)
+
+
+def _membership(pos_BKY, set_BKX):
+  """[B, K, Y] bool: pos in set (entries of set < 0 are empty)."""
+  return jnp.any(pos_BKY[..., None] == set_BKX[:, :, None, :], axis=-1)
+
+
+def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool):
+  """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
+  low-bit) and the new rows. Returns out [B,T,N,H] and the LAST row's probabilities per position averaged
+  over each group, [B, K, S] float32 (the new rows' columns land at positions n .. n+T-1)."""
+  b, t, _, h = q.shape
+  n_kv = kn_BKTH.shape[1]
+  key_qlen, val_qlen = lowbit.boundaries(lengths, cfg.residual)
+  s = st.low.k_codes.shape[2]
+  kappa = st.kappa
+  x = kappa.shape[-1]
+  if use_kappa and x:
+    kap_use = (kappa < key_qlen[:, None, None]) & (kappa >= 0)           # else the ring has it in 16-bit
+  else:
+    kap_use = jnp.zeros(kappa.shape, bool)
+  kap_set = jnp.where(kap_use, kappa, -2)
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=cfg.bits, group_size=cfg.group_size,
+                                                 residual=cfg.residual)
+  ring_ok = (ring_pos >= 0) & ~_membership(ring_pos, kap_set)             # [B, K, R]
+  kap_mask = jnp.broadcast_to(kap_use[:, :, None, :], (b, n_kv, t, x))
+  ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, cfg.residual))
+  new_mask = A.causal_new_mask(b, t)
+  sm_scale = h ** -0.5
+  if cfg.attention_impl == "jnp":
+    keys, values = lowbit.dequantized(st.low, bits=cfg.bits, group_size=cfg.group_size)
+    excluded = jnp.zeros((b, n_kv, s + 1), bool)
+    excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
+    low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
+    low_mask = jnp.broadcast_to(low_ok[:, :, None, :], (b, n_kv, t, s))
+    out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
+        q, [(keys, values, low_mask), (ring_k, ring_v, ring_mask),
+            (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
+    last = lambda p: jnp.mean(p[:, :, :, -1, :], axis=2)                  # [B, K, cols]
+    probs_low, probs_extra = last(p_low), jnp.concatenate([last(p_ring), last(p_kap), last(p_new)], -1)
+  else:
+    from pallas_kernels.mixed_decode_attention import mixed_decode_attention
+    extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
+                               kn_BKTH.astype(q.dtype)], axis=2)
+    extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
+                               vn_BKTH.astype(q.dtype)], axis=2)
+    extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
+    out, probs_low, probs_extra = mixed_decode_attention(
+        q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
+        val_qlen, jnp.where(kap_use, kappa, -1), extra_k, extra_v, extra_mask, bits=cfg.bits,
+        group_size=cfg.group_size, sm_scale=sm_scale, interpret=cfg.attention_impl == "pallas_interpret")
+  new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
+  extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
+  extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
+  idx = jnp.where(extra_ok, extra_pos, s)                                   # invalid -> dropped slot s
+  probs = jnp.concatenate([probs_low, jnp.zeros((b, n_kv, 1), jnp.float32)], -1)
+  probs = jax.vmap(jax.vmap(lambda p, i, v: p.at[i].add(v)))(probs, idx, probs_extra)[:, :, :s]
+  return out, probs
+
+
+def store(cfg: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
+  """Append the real row: quantized/residual on the device, 16-bit to the (simulated) host."""
+  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **cfg.qargs),
+                  new_k=k_BKH[:, :, None].astype(st.new_k.dtype), new_v=v_BKH[:, :, None].astype(st.new_v.dtype))
+  if not cfg.offload:
+    st = st.replace(k16=A.write_rows(st.k16, k_BKH[:, :, None], lengths),
+                    v16=A.write_rows(st.v16, v_BKH[:, :, None], lengths))
+  return st
+
+
+def _hit_stats(cfg: SpeCacheConfig, st: State, q, lengths, kappa_used):
+  """Top-k hit rate of κ vs the real row's exact top-k over the 16-bit keys (simulated mode only)."""
+  if not cfg.track_hits or cfg.offload:
+    return {}
+  b, _, n_heads, h = q.shape
+  n_kv = st.k16.shape[1]
+  q0 = A.split_heads(q[:, :1], n_kv)                                       # [B, 1, K, G, H]
+  s = st.k16.shape[2]
+  mask = jnp.broadcast_to(A.valid_cols_mask(lengths, s, 1), (b, n_kv, 1, s))
+  p = jax.nn.softmax(A.segment_logits(q0, st.k16, mask, h ** -0.5), axis=-1)
+  exact = select(cfg, jnp.mean(p[:, :, :, 0, :], axis=2), lengths)         # [B, K, X]
+  valid = kappa_used < lengths[:, None, None]
+  hits = jnp.sum(_membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
+  denom = jnp.minimum(cfg.topk, lengths)[:, None].astype(jnp.float32)
+  return {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1), "topk_count": jnp.ones((b,))}
+
+
+def attend(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)            # [B, K, T, H]
+  if not cfg.speculative:
+    # the ablation: κ_t from the real row's own low-bit attention, fetched before attention (synchronous)
+    _, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
+    kappa = select(cfg, probs, lengths)
+    st = fetch_simulated(st, kappa) if not cfg.offload else st.replace(kappa=kappa)
+  aux = _hit_stats(cfg, st, q, lengths, st.kappa)
+  out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=True)
+  st = store(cfg, st, kn[:, :, 0], vn[:, :, 0], lengths)
+  if cfg.speculative:
+    kappa_next = select(cfg, probs, lengths + 1)                            # candidates 0..n (T_t included)
+    st = fetch_simulated(st, kappa_next) if not cfg.offload else st.replace(kappa=kappa_next)
+  return out, st, aux
+
+
+def predecode(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  """T1 over the low-bit copy (+ the 16-bit ring and its own row); picks κ_1; stores nothing."""
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
+  out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
+  kappa = select(cfg, probs, lengths)                                       # stored positions 0..L-1
+  st = fetch_simulated(st, kappa) if not cfg.offload else st.replace(kappa=kappa)
+  return out, st, {}
+
+
+def device_bytes(cfg, st: State) -> int:
+  """Everything but the 16-bit cache (which belongs to host memory)."""
+  return tree_nbytes(st) - st.k16.nbytes - st.v16.nbytes
+
+
+def host_bytes(cfg, st: State) -> int:
+  return int(st.k16.nbytes + st.v16.nbytes)
