@@ -98,6 +98,12 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
     rng = jax.random.key(seed)
   width = -(-toks.shape[1] // 16) * 16
   toks = np.pad(toks, ((0, 0), (0, width - toks.shape[1])))
+  if getattr(method, "offload", False):
+    from specache_jax.runtime import OffloadRuntime
+    runtime = OffloadRuntime(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1])
+    out = runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p,
+                           tuple(int(s) for s in stop_tokens), pad_id)
+    return (out, decode.summarize_stats(out.stats)) if return_stats else out
   out = decode.generate_jit(
       params, jnp.asarray(toks), jnp.asarray(lens), rng, jnp.float32(temperature), jnp.float32(top_p),
       cfg=cfg, method=method, max_new_tokens=max_new_tokens, greedy=temperature == 0.0,

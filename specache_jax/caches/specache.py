@@ -41,6 +41,7 @@ class SpeCacheConfig(CacheConfig):
   one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4) or "kivi" (ablation)
   speculative: bool = True      # False: κ_t from the real token's own low-bit attention, fetched synchronously
   offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
+  host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
   track_hits: bool = False      # also compute the real query's exact top-k over 16-bit keys (hit rates)
   attention_impl: str = "jnp"   # jnp | pallas | pallas_interpret (pallas_kernels/mixed_decode_attention)
 
@@ -55,6 +56,8 @@ class SpeCacheConfig(CacheConfig):
                         "(keys are quantized a whole residual window at a time)")
     if self.one_bit not in quant.ONE_BIT_RULES:
       raise ConfigError(f"one_bit={self.one_bit!r} must be one of {quant.ONE_BIT_RULES}")
+    if self.host_store not in ("auto", "pinned_host", "numpy"):
+      raise ConfigError(f"host_store={self.host_store!r} must be one of ('auto', 'pinned_host', 'numpy')")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
 
@@ -226,11 +229,10 @@ def _hit_stats(cfg: SpeCacheConfig, st: State, q, lengths, kappa_used):
 
 def attend(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)            # [B, K, T, H]
-  if not cfg.speculative:
-    # the ablation: κ_t from the real row's own low-bit attention, fetched before attention (synchronous)
-    _, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
-    kappa = select(cfg, probs, lengths)
-    st = fetch_simulated(st, kappa) if not cfg.offload else st.replace(kappa=kappa)
+  if not cfg.speculative and not cfg.offload:
+    # the ablation: κ_t from the real row's own low-bit attention, fetched before attention (synchronous);
+    # offloaded, the runtime calls choose_nonspeculative and fetches before calling attend.
+    st = fetch_simulated(st, choose_nonspeculative(cfg, st, q, k_new, v_new, lengths))
   aux = _hit_stats(cfg, st, q, lengths, st.kappa)
   out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=True)
   st = store(cfg, st, kn[:, :, 0], vn[:, :, 0], lengths)
@@ -238,6 +240,13 @@ def attend(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
     kappa_next = select(cfg, probs, lengths + 1)                            # candidates 0..n (T_t included)
     st = fetch_simulated(st, kappa_next) if not cfg.offload else st.replace(kappa=kappa_next)
   return out, st, aux
+
+
+def choose_nonspeculative(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions."""
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
+  _, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
+  return select(cfg, probs, lengths)
 
 
 def predecode(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):

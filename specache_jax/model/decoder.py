@@ -49,13 +49,21 @@ def qkv(cfg: ModelConfig, lp, h_BTD, positions_BT):
   return apply_rope(q, positions_BT, cfg), apply_rope(k, positions_BT, cfg), v
 
 
-def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str):
-  """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode).
-
-  Returns (x [B,T,D], new per-layer state, aux dict)."""
-  b, t, _ = x_BTD.shape
+def attention_inputs(cfg: ModelConfig, lp, x_BTD, lengths_B, phase: str):
+  """Pre-attention half of a layer: RMSNorm, projections, RoPE -> q [B,T,N,H], k, v [B,T,K,H]."""
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-  q, k, v = qkv(cfg, lp, h, positions_for(phase, lengths_B, t))
+  return qkv(cfg, lp, h, positions_for(phase, lengths_B, x_BTD.shape[1]))
+
+
+def layer_output(cfg: ModelConfig, lp, x_BTD, attn_BTNH):
+  """Post-attention half of a layer: o_proj + residual, RMSNorm, SwiGLU + residual -> x [B,T,D]."""
+  b, t, _ = x_BTD.shape
+  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn_BTNH.reshape(b, t, -1), lp["wo"])
+  return x_BTD + swiglu_mlp(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp)
+
+
+def cache_attention(cfg: ModelConfig, method: CacheConfig | None, st, q, k, v, lengths_B, phase: str):
+  """Attention through the cache method for one layer -> (attn [B,T,N,H], new state, aux)."""
   aux = {}
   if phase == "prefill":
     want_colsum = method is not None and method.needs_attention_colsum
@@ -68,9 +76,16 @@ def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengt
     attn, st, aux = method.impl.predecode(method, st, q, k, v, lengths_B)
   else:
     raise ValueError(f"phase={phase!r} must be one of {PHASES}")
-  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn.reshape(b, t, -1), lp["wo"])
-  x_BTD = x_BTD + swiglu_mlp(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp)
-  return x_BTD, st, aux
+  return attn, st, aux
+
+
+def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str):
+  """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode).
+
+  Returns (x [B,T,D], new per-layer state, aux dict)."""
+  q, k, v = attention_inputs(cfg, lp, x_BTD, lengths_B, phase)
+  attn, st, aux = cache_attention(cfg, method, st, q, k, v, lengths_B, phase)
+  return layer_output(cfg, lp, x_BTD, attn), st, aux
 
 
 def embed(params, tokens_BT):

@@ -1,0 +1,226 @@
+"""The host-memory 16-bit KV store, its asynchronous top-k row fetch, and the up-front memory plan.
+
+Two stores behind one interface (`write_prompt`, `append`, `fetch`):
+  PinnedHostStore  per-layer K/V arrays with `memory_kind="pinned_host"` shardings. Writes and the κ gather run
+                   as host computations (`compute_on("device_host")`) on those arrays, and only the gathered
+                   block [B, K, X, H] moves to the device with `jax.device_put` — nothing on the device ever
+                   indexes a host array. Every call is dispatched asynchronously: `fetch` returns before its data
+                   is ready.
+  NumpyHostStore   the fallback: numpy arrays in host RAM; writes and gathers run in one background thread (FIFO,
+                   so an append is always visible to a later gather) and the block is `jax.device_put` from it.
+Axis letters as in caches/attention.py; X = k rows fetched per KV head.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+HOST_STORES = ("auto", "pinned_host", "numpy")
+
+
+class MemoryPlanError(ValueError):
+  """A run that cannot fit, with the numbers (needed vs available)."""
+
+
+def _host_available_bytes() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _device_available_bytes(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  device_bytes: int            # weights + device cache state + activation peak
+  host_bytes: int              # the complete 16-bit cache
+  device_available: int | None
+  host_available: int
+  shared_memory: bool          # CPU backend: "device" and host are the same RAM
+
+  def check(self) -> None:
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    if self.shared_memory:
+      need = self.device_bytes + self.host_bytes
+      if need > self.host_available:
+        raise MemoryPlanError(f"the run needs {gib(need)} (device {gib(self.device_bytes)} + host "
+                              f"{gib(self.host_bytes)}) but only {gib(self.host_available)} of RAM is available")
+      return
+    if self.device_available is not None and self.device_bytes > self.device_available:
+      raise MemoryPlanError(f"the run needs {gib(self.device_bytes)} of accelerator memory but only "
+                            f"{gib(self.device_available)} is available")
+    if self.host_bytes > self.host_available:
+      raise MemoryPlanError(f"the 16-bit cache needs {gib(self.host_bytes)} of host memory but only "
+                            f"{gib(self.host_available)} is available")
+
+
+def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
+                device=None, host_available: int | None = None, device_available: int | None = None) -> MemoryPlan:
+  """Sizes from shapes alone (jax.eval_shape), computed before anything is allocated."""
+  device = device or jax.devices()[0]
+  nbytes = lambda tree: int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+  st = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
+  cache_dev = nbytes(st)
+  host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
+      jnp.dtype(dtype).itemsize
+  chunk = min(prompt_len, 1024)
+  act = batch * (prompt_len * (4 * model_cfg.dim + 3 * model_cfg.ffn_dim) * jnp.dtype(dtype).itemsize
+                 + 2 * model_cfg.n_heads * chunk * prompt_len * 4 + prompt_len * model_cfg.vocab_size * 0)
+  act += batch * model_cfg.vocab_size * 4 * 4
+  return MemoryPlan(
+      device_bytes=nbytes(params) + cache_dev + int(act), host_bytes=int(host),
+      device_available=device_available if device_available is not None else _device_available_bytes(device),
+      host_available=host_available if host_available is not None else _host_available_bytes(),
+      shared_memory=device.platform == "cpu")
+
+
+def resolve_store_kind(kind: str, device) -> str:
+  if kind not in HOST_STORES:
+    raise ValueError(f"host_store={kind!r} must be one of {HOST_STORES}")
+  if kind != "auto":
+    return kind
+  kinds = {m.kind for m in device.addressable_memories()}
+  return "pinned_host" if "pinned_host" in kinds else "numpy"
+
+
+class _Ready:
+  """A fetch result that is already dispatched (its arrays become ready asynchronously)."""
+
+  def __init__(self, value):
+    self._value = value
+
+  def result(self):
+    return self._value
+
+
+# ----- pinned_host store: host computations on host-memory arrays -----
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _host_write(buf_BKSH, rows_BKTH, start_B):
+  with compute_on("device_host"):
+    for b in range(buf_BKSH.shape[0]):      # per row (a vmapped start would put its index math on the device)
+      buf_BKSH = jax.lax.dynamic_update_slice(buf_BKSH, rows_BKTH[b:b + 1], (b, 0, start_B[b], 0))
+    return buf_BKSH
+
+
+@jax.jit
+def _host_gather(buf_BKSH, idx_BKX):
+  with compute_on("device_host"):
+    return jax.vmap(jax.vmap(lambda b, i: b[i]))(buf_BKSH, idx_BKX)        # [B, K, X, H]
+
+
+@jax.jit
+def _to_BKTH(x_BTKH):
+  return jnp.swapaxes(x_BTKH, 1, 2)
+
+
+class PinnedHostStore:
+  kind = "pinned_host"
+
+  def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
+    self.device = device or jax.devices()[0]
+    self.host = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
+    self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+    shape = (batch, n_kv, slots, head_dim)
+    self.k = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+    self.v = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+
+  def _put_host(self, x):
+    return jax.device_put(x, self.host)
+
+  def write_prompt(self, layer, k_BTKH, v_BTKH):
+    start = self._put_host(jnp.zeros((k_BTKH.shape[0],), jnp.int32))
+    self.k[layer] = _host_write(self.k[layer], self._put_host(_to_BKTH(k_BTKH)), start)
+    self.v[layer] = _host_write(self.v[layer], self._put_host(_to_BKTH(v_BTKH)), start)
+
+  def append(self, layer, k_BK1H, v_BK1H, lengths_B):
+    start = self._put_host(lengths_B)
+    self.k[layer] = _host_write(self.k[layer], self._put_host(k_BK1H), start)
+    self.v[layer] = _host_write(self.v[layer], self._put_host(v_BK1H), start)
+
+  def fetch(self, layer, kappa_BKX):
+    idx = self._put_host(kappa_BKX)
+    k_rows = jax.device_put(_host_gather(self.k[layer], idx), self.on_device)
+    v_rows = jax.device_put(_host_gather(self.v[layer], idx), self.on_device)
+    return _Ready((k_rows, v_rows))
+
+  def arrays(self):
+    return self.k + self.v
+
+  @property
+  def nbytes(self) -> int:
+    return int(sum(a.nbytes for a in self.arrays()))
+
+  def close(self):
+    pass
+
+
+# ----- numpy fallback: a background thread gathers, device_put transfers -----
+
+class NumpyHostStore:
+  kind = "numpy"
+
+  def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
+    self.device = device or jax.devices()[0]
+    self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+    shape = (batch, n_kv, slots, head_dim)
+    self.k = [np.zeros(shape, jnp.dtype(dtype)) for _ in range(n_layers)]
+    self.v = [np.zeros(shape, jnp.dtype(dtype)) for _ in range(n_layers)]
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-host")
+
+  def write_prompt(self, layer, k_BTKH, v_BTKH):
+    def job():
+      k, v = np.asarray(k_BTKH).swapaxes(1, 2), np.asarray(v_BTKH).swapaxes(1, 2)
+      self.k[layer][:, :, :k.shape[2]] = k
+      self.v[layer][:, :, :v.shape[2]] = v
+    self._pool.submit(job)
+
+  def append(self, layer, k_BK1H, v_BK1H, lengths_B):
+    def job():
+      k, v, pos = np.asarray(k_BK1H), np.asarray(v_BK1H), np.asarray(lengths_B)
+      for b, p in enumerate(pos):
+        self.k[layer][b, :, p] = k[b, :, 0]
+        self.v[layer][b, :, p] = v[b, :, 0]
+    self._pool.submit(job)
+
+  def fetch(self, layer, kappa_BKX):
+    def job():
+      idx = np.asarray(kappa_BKX)[..., None]
+      k = np.take_along_axis(self.k[layer], idx, axis=2)
+      v = np.take_along_axis(self.v[layer], idx, axis=2)
+      return jax.device_put(k, self.on_device), jax.device_put(v, self.on_device)
+    return self._pool.submit(job)
+
+  def arrays(self):
+    return self.k + self.v
+
+  @property
+  def nbytes(self) -> int:
+    return int(sum(a.nbytes for a in self.arrays()))
+
+  def close(self):
+    self._pool.shutdown(wait=True)
+
+
+def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
+  device = device or jax.devices()[0]
+  kind = resolve_store_kind(kind, device)
+  cls = PinnedHostStore if kind == "pinned_host" else NumpyHostStore
+  return cls(n_layers, batch, n_kv, slots, head_dim, dtype, device)
