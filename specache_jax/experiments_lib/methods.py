@@ -1,0 +1,93 @@
+"""Cache methods of an experiment, from its config: `config.methods` holds one entry per label, e.g.
+
+    methods.specache_1bit = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)
+    methods.h2o = dict(name="h2o", match="specache_1bit")      # budget = that method's device bytes
+
+and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes an eviction method
+(StreamingLLM, H2O) with `caches.budget.matched_budget` at every context length separately, since the
+reference's device bytes grow with the context.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from specache_jax.caches import CacheConfig, cache_config
+from specache_jax.caches.base import settings_of
+from specache_jax.model.config import ConfigError, ModelConfig
+
+
+def _as_dict(spec) -> dict[str, Any]:
+  return dict(spec.to_dict() if hasattr(spec, "to_dict") else spec)
+
+
+def labels(config) -> list[str]:
+  """The labels in `config.run_methods`, each checked against `config.methods`."""
+  chosen = [s.strip() for s in str(config.run_methods).split(",") if s.strip()]
+  known = list(_as_dict(config.methods))
+  unknown = [c for c in chosen if c not in known]
+  if unknown:
+    raise ConfigError(f"run_methods={config.run_methods!r} names {unknown}, not in config.methods {known}")
+  if not chosen:
+    raise ConfigError(f"run_methods={config.run_methods!r} selects no method; choose from {known}")
+  return chosen
+
+
+def spec_of(config, label: str) -> dict[str, Any]:
+  spec = _as_dict(_as_dict(config.methods)[label])
+  if "name" not in spec:
+    raise ConfigError(f"config.methods.{label} has no 'name' (one of full, kivi, specache, streaming, h2o)")
+  return spec
+
+
+def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype) -> CacheConfig:
+  """The cache config of `label` for sequences of up to `max_len` tokens (prompt + generation)."""
+  spec = spec_of(config, label)
+  name = spec.pop("name")
+  match = spec.pop("match", None)
+  if match is None:
+    return cache_config(name, **spec)
+  if match == label:
+    raise ConfigError(f"config.methods.{label}.match={match!r} cannot match itself")
+  ref = build(config, match, model_cfg, max_len, dtype)
+  from specache_jax.caches.budget import matched_budget
+  method = matched_budget(name, ref, model_cfg, max_len, dtype)
+  return dataclasses.replace(method, **spec) if spec else method
+
+
+def device_bytes(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
+  """Accelerator bytes of the method's state for `batch` rows of `max_len` tokens (nothing is computed:
+  the state's shapes come from `jax.eval_shape`, its buffers are untouched `np.empty` arrays)."""
+  shapes = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
+  state = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+  return int(method.impl.device_bytes(method, state))
+
+
+def describe(method: CacheConfig) -> dict[str, Any]:
+  """JSON-ready settings of a built method (what goes into a result record and its fingerprint)."""
+  return {"name": method.name, **{k: v for k, v in settings_of(method).items()}}
+
+
+def settings_fingerprint_parts(config, label: str) -> Mapping[str, Any]:
+  """The unresolved spec (plus its match's, recursively): enough to tell whether a stored cell is stale."""
+  spec = spec_of(config, label)
+  if "match" in spec:
+    spec["match_spec"] = dict(settings_fingerprint_parts(config, spec["match"]))
+  return spec
+
+
+def standard() -> dict[str, dict[str, Any]]:
+  """The methods the paper compares, at its settings (SPECACHE.md §6), keyed by label. Configs copy this
+  into `config.methods` and pick labels with `config.run_methods`."""
+  return {
+      "full": dict(name="full"),                                               # 16-bit cache, the reference
+      "kivi_1bit": dict(name="kivi", bits=1, group_size=64, residual=128),     # KIVI's own 1-bit rule (m, M)
+      "kivi_2bit": dict(name="kivi", bits=2, group_size=64, residual=128),
+      "specache_1bit": dict(name="specache", bits=1, group_size=64, residual=64, topk=64),
+      "specache_2bit": dict(name="specache", bits=2, group_size=64, residual=64, topk=64),
+      "streaming": dict(name="streaming", match="specache_1bit"),              # sinks + window, same bytes
+      "h2o": dict(name="h2o", match="specache_1bit"),                          # heavy hitters, same bytes
+  }

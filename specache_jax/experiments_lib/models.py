@@ -1,0 +1,80 @@
+"""Models for the experiments: the real loaders, plus a seeded random tiny model with a character tokenizer.
+
+`load("tiny-random")` builds a 2-layer random LLaMA whose vocabulary is the 128 ASCII codes, so every launcher
+can run end to end in seconds (tests, the notebook's smoke variant) without a checkpoint. Its answers are
+noise: use it to exercise the pipeline, never to read accuracy off. Every other name or path goes to
+`specache_jax.load_model`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specache_jax.model.config import ModelConfig
+from specache_jax.model.init import init_params
+
+TINY_PREFIX = "tiny-random"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CharTokenizer:
+  """One id per ASCII character (others become '?'); ChatML written out as plain text; EOS = id 0 (NUL)."""
+  vocab_size = 128
+  eos_id = 0
+
+  def encode(self, text: str) -> list[int]:
+    return [ord(c) if 0 < ord(c) < 128 else ord("?") for c in text]
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    del skip_special_tokens
+    return "".join(chr(int(i)) for i in ids if 0 < int(i) < 128)
+
+  def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@dataclasses.dataclass
+class Model:
+  config: ModelConfig
+  params: dict
+  tokenizer: object
+  name: str = ""
+
+
+def tiny_random(seed: int = 0, dtype=jnp.float32, max_position: int = 4096) -> Model:
+  """head_dim 64 so the paper's group sizes (32, 64) and the launchers' default settings apply unchanged."""
+  cfg = ModelConfig(architecture="llama", vocab_size=CharTokenizer.vocab_size, dim=64, n_layers=2, n_heads=4,
+                    n_kv_heads=2, head_dim=64, ffn_dim=128, rope_theta=10000.0, max_position=max_position,
+                    tie_embeddings=True, eos_token_ids=(CharTokenizer.eos_id,), name=TINY_PREFIX)
+  return Model(cfg, init_params(cfg, jax.random.key(seed), dtype, scale=0.3), CharTokenizer(), TINY_PREFIX)
+
+
+def load(name: str, dtype: str = "") -> Model:
+  """`tiny-random` or `tiny-random:<seed>`, else whatever `specache_jax.load_model` accepts."""
+  if dtype and dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r} must be '' (the checkpoint's own) or one of {sorted(DTYPES)}")
+  if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
+    seed = int(name.split(":", 1)[1]) if ":" in name else 0
+    return tiny_random(seed, DTYPES.get(dtype, jnp.float32))
+  import specache_jax as sj
+  kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
+  return sj.load_model(name, **kwargs)
+
+
+def chat_ids(tokenizer, user_text: str) -> list[int]:
+  """The token ids of a one-turn chat prompt ending with the assistant header (the model answers next)."""
+  return list(tokenizer.encode(tokenizer.chat([{"role": "user", "content": user_text}])))
+
+
+def stop_ids(model) -> tuple[int, ...]:
+  return tuple(int(t) for t in model.config.eos_token_ids)
+
+
+def decode_answer(tokenizer, ids: Sequence[int], num: int, stops: Sequence[int]) -> str:
+  """Text of the first `num` generated ids, without the stop token."""
+  kept = [int(t) for t in list(ids)[:num] if int(t) not in set(stops)]
+  return tokenizer.decode(kept)
