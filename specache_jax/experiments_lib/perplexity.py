@@ -128,9 +128,9 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
   return Result(table, store.cells, computed, skipped, time.time() - start)
 
 
-def pooled(store: ResultStore, label: str, n_windows: int):
-  """{bucket: (nll_sum, count)} over the stored windows of a method, or None if any window is missing."""
-  recs = [store.cells.get(f"{label}/w{w}") for w in range(n_windows)]
+def pooled(cells: dict, label: str, n_windows: int):
+  """({bucket: (nll_sum, count)}, records) over the stored windows of a method; None if one is missing."""
+  recs = [cells.get(f"{label}/w{w}") for w in range(n_windows)]
   if any(r is None for r in recs):
     return None
   out = {}
@@ -145,7 +145,7 @@ def table_rows(store: ResultStore, labels, buckets, n_windows: int):
   names = [bucket_name(lo, hi) for lo, hi in buckets]
   ppl = {}
   for label in labels:
-    got = pooled(store, label, n_windows)
+    got = pooled(store.cells, label, n_windows)
     if got is not None:
       ppl[label] = ({b: (math.exp(s / c) if c else float("nan")) for b, (s, c) in got[0].items()}, got[1])
   ref = ppl.get("full", (None,))[0]
@@ -186,7 +186,7 @@ def plot_curves(store, labels, n_windows, path):
   plt = report.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
   for label in labels:
-    got = pooled(store, label, n_windows)
+    got = pooled(store.cells, label, n_windows)
     if got is None:
       continue
     pts = np.asarray([c for r in got[1] for c in r["curve"]])

@@ -1,0 +1,71 @@
+"""SpeCache ablations — k, bits, group size, 1-bit quantizer, speculative fetch — on NIAH and perplexity.
+
+Run (from the repository root):
+  python -m experiments.ablations --config=configs/ablations.py          # "cpu": SmolLM2-135M, this CPU
+  python -m experiments.ablations --config=configs/ablations.py:gpu --config.model=/path/to/Meta-Llama-3-8B-Instruct
+  python -m experiments.ablations --config=configs/ablations.py:test     # random tiny model, seconds
+"""
+import ml_collections
+
+from specache_jax.experiments_lib import methods
+
+# The paper's SpeCache 1-bit setting; every variant below changes one or two fields of it.
+BASE = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)
+
+
+def variants() -> dict:
+  std = methods.standard()
+  v = {"full": std["full"], "kivi_1bit": std["kivi_1bit"], "specache_1bit": dict(BASE)}
+  for k in (0, 16, 32, 128, 256):                           # prefetch budget k (64 is the base)
+    v[f"k{k}"] = dict(BASE, topk=k)
+  v["g32"] = dict(BASE, group_size=32)                      # group size g ∈ {32, 64}
+  v["b2"] = dict(BASE, bits=2)                              # bits b ∈ {1, 2}
+  v["b2_g32"] = dict(BASE, bits=2, group_size=32)
+  v["kivi_quantizer"] = dict(BASE, one_bit="kivi")          # plain KIVI 1-bit levels (m, M) inside SpeCache
+  v["non_speculative"] = dict(BASE, speculative=False)      # κ_t from the real token's own low-bit attention
+  return v
+
+
+def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
+  if arg not in ("cpu", "gpu", "test"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
+  c = ml_collections.ConfigDict()
+  c.model = "smollm2-135m"          # registered name, .gguf file, HF or orbax directory, or "tiny-random"
+  c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
+  c.methods = variants()            # label -> cache settings; references plus the SpeCache variants
+  c.run_methods = ",".join(variants())   # labels run, in table order
+  c.run_parts = "niah,perplexity"   # which sweeps feed the table
+  c.output_dir = "results/ablations"     # niah/ and perplexity/ sub-sweeps, summary.md, results.json
+  c.stop_after = 0                  # >0: stop once this many new cells are stored (both sweeps together)
+  c.niah = ml_collections.ConfigDict()
+  c.niah.lengths = "1024"           # NIAH context lengths (tokens)
+  c.niah.depths = "0.25,0.5,0.75"   # NIAH needle depths
+  c.niah.needle = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+  c.niah.question = "What is the best thing to do in San Francisco?"   # asked after the haystack
+  c.niah.answer = "Dolores Park"    # a correct answer contains this (case-insensitive)
+  c.niah.max_new_tokens = 24        # greedy answer length
+  c.perplexity = ml_collections.ConfigDict()
+  c.perplexity.corpus = "austen"    # "austen" or "paul_graham"
+  c.perplexity.num_windows = 1      # windows decoded as one batch
+  c.perplexity.window_tokens = 1024 # tokens per window
+  c.perplexity.prefix_tokens = 256  # prefilled; the rest teacher-forced through the cache
+  c.perplexity.buckets = "0-1024,1024-4096,4096-8192"   # position buckets [lo, hi)
+  if arg == "gpu":
+    c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint
+    c.dtype = "bfloat16"
+    c.niah.lengths = "2048,4096,8000"
+    c.niah.depths = "0.1,0.25,0.5,0.75,0.9"
+    c.perplexity.num_windows = 4
+    c.perplexity.window_tokens = 8192
+    c.output_dir = "results/ablations_gpu"
+  elif arg == "test":
+    c.model = "tiny-random"
+    c.run_methods = "full,specache_1bit,k0,b2,non_speculative"
+    c.niah.lengths = "160"
+    c.niah.depths = "0.5"
+    c.niah.max_new_tokens = 4
+    c.perplexity.window_tokens = 200
+    c.perplexity.prefix_tokens = 40
+    c.perplexity.buckets = "0-100,100-200"
+    c.output_dir = "/tmp/specache_results/ablations"
+  return c

@@ -1,0 +1,47 @@
+"""Needle in a Haystack: context lengths × needle depths × cache methods (the project's main job).
+
+Run (from the repository root):
+  python -m experiments.niah --config=configs/niah.py          # "cpu": SmolLM2-135M on this CPU, ≤ 10 min
+  python -m experiments.niah --config=configs/niah.py:gpu --config.model=/path/to/Meta-Llama-3-8B-Instruct
+  python -m experiments.niah --config=configs/niah.py:test     # random tiny model (pipeline smoke test)
+Override any field, e.g. `--config.lengths=1024 --config.run_methods=full,specache_1bit`.
+"""
+import ml_collections
+
+from specache_jax.experiments_lib import methods
+
+
+def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
+  if arg not in ("cpu", "gpu", "test"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
+  c = ml_collections.ConfigDict()
+  c.model = "smollm2-135m"          # registered name, .gguf file, HF or orbax directory, or "tiny-random"
+  c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
+  c.lengths = "1024,2048"           # context lengths in tokens (haystack + needle + question, chat-formatted)
+  c.depths = "0.25,0.5,0.75"        # needle depths: 0 = start of the haystack, 1 = end
+  # The needle, the question asked after the haystack, and the text a correct answer contains.
+  c.needle = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+  c.question = "What is the best thing to do in San Francisco?"
+  c.answer = "Dolores Park"
+  c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
+  c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
+  # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit (g64, R64, k64), and
+  # StreamingLLM / H2O sized to SpeCache 1-bit's device bytes.
+  c.run_methods = "full,kivi_1bit,specache_1bit,streaming,h2o"
+  c.output_dir = "results/niah"     # results.json (resumable cells), summary.md, heatmap_<method>.png
+  c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
+  if arg == "gpu":
+    c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint (HF directory or .gguf)
+    c.dtype = "bfloat16"
+    c.lengths = "1024,2048,4096,6144,8000"
+    c.depths = "0.0,0.1,0.25,0.5,0.75,0.9,1.0"
+    c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+    c.output_dir = "results/niah_gpu"
+  elif arg == "test":
+    c.model = "tiny-random"
+    c.lengths = "160,224"
+    c.depths = "0.25,0.75"
+    c.max_new_tokens = 6
+    c.run_methods = "full,kivi_1bit,specache_1bit"
+    c.output_dir = "/tmp/specache_results/niah"
+  return c

@@ -1,0 +1,177 @@
+"""Needle in a Haystack: context lengths × needle depths × cache methods, greedy answers checked for the needle.
+
+Cases come from `specache_jax.data.niah` (Paul Graham essays as the haystack, a needle sentence at a relative
+depth, a question, the chat template). The cells of one (method, length) are decoded together as one ragged
+batch. A cell (method + length + depth) is stored as soon as its batch finishes, with the fingerprint of
+everything that decides its answer; a restarted run skips stored cells. Outputs in `config.output_dir`:
+results.json (every cell, its answer text), summary.md (the table), heatmap_<method>.png and heatmaps.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import numpy as np
+
+import specache_jax as sj
+from specache_jax.experiments_lib import methods, models, report
+from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
+
+
+@dataclasses.dataclass
+class Result:
+  table: str                 # the markdown table printed by the launcher
+  records: dict              # cell id -> record
+  computed: int              # cells computed by this call
+  skipped: int               # cells reused from the result file
+  seconds: float
+
+
+def cell_id(label: str, length: int, depth: float) -> str:
+  return f"{label}/{length}/{depth:g}"
+
+
+def grid(config) -> tuple[list[int], list[float]]:
+  lengths = report.parse_int_list(config.lengths, "lengths")
+  depths = report.parse_float_list(config.depths, "depths")
+  bad = [d for d in depths if not 0.0 <= d <= 1.0]
+  if bad:
+    raise ValueError(f"depths={config.depths!r}: {bad} must lie in [0, 1] (0 = start of the haystack)")
+  return lengths, depths
+
+
+def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], object]:
+  """(length, depth) -> the data module's case (its prompt ids and its answer check)."""
+  from specache_jax.data import niah as niah_data
+  return {(n, d): niah_data.build_case(tokenizer, context_tokens=n, depth=d, needle=config.needle,
+                                       question=config.question, answer=config.answer)
+          for n in lengths for d in depths}
+
+
+def run(config, model=None, command: str = "python -m experiments.niah --config=configs/niah.py",
+        log=print) -> Result:
+  start = time.time()
+  model = model or models.load(config.model, config.dtype)
+  dtype = model.params["embed"].dtype
+  lengths, depths = grid(config)
+  labels = methods.labels(config)
+  cases = build_cases(config, model.tokenizer, lengths, depths)
+  stops = models.stop_ids(model)
+  out_dir = pathlib.Path(config.output_dir)
+  store = ResultStore(out_dir / "results.json", meta={"experiment": "niah", "command": command})
+  base_fp = (config.model, config.dtype, config.needle, config.question, config.answer, config.max_new_tokens)
+  computed = skipped = 0
+  groups = [(label, n) for label in labels for n in lengths]
+  for label, n in report.progress(groups, desc="niah"):
+    fp = fingerprint(base_fp, dict(methods.settings_fingerprint_parts(config, label)))
+    todo = [d for d in depths if not store.done(cell_id(label, n, d), fp)]
+    skipped += len(depths) - len(todo)
+    if not todo:
+      continue
+    if config.stop_after and store.computed >= config.stop_after:
+      break
+    prompts = [list(cases[n, d].prompt_ids) for d in todo]
+    max_len = max(len(p) for p in prompts) + config.max_new_tokens + 2
+    method = methods.build(config, label, model.config, max_len, dtype)
+    t0 = time.time()
+    out = sj.generate(model, prompts, max_new_tokens=config.max_new_tokens, cache=method, stop_tokens=stops)
+    toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
+    seconds = time.time() - t0
+    info = dict(method=label, length=n, settings=methods.describe(method), batch_seconds=seconds,
+                device_bytes=methods.device_bytes(method, model.config, max_len, dtype))
+    recs = {}
+    for j, d in enumerate(todo):
+      answer = models.decode_answer(model.tokenizer, toks[j], int(nums[j]), stops)
+      recs[cell_id(label, n, d)] = dict(info, depth=d, prompt_tokens=len(prompts[j]), answer=answer,
+                                        correct=bool(cases[n, d].check(answer)))
+    store.put_many(recs, fp)
+    computed += len(recs)
+    log(f"niah {label} @ {n} tokens: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
+        f"({seconds:.1f} s)")
+  table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start)
+  return Result(table, store.cells, computed, skipped, time.time() - start)
+
+
+def summary_table(store: ResultStore, labels, lengths, depths) -> tuple[str, list[str]]:
+  """The method × cell table (✓/✗, accuracy, device bytes) and notes on misses vs the full cache."""
+  cols = [(n, d) for n in lengths for d in depths]
+  headers = ["method"] + [f"{n}@{d:g}" for n, d in cols] + ["accuracy", "device MiB (max len)", "seconds"]
+  rows, notes = [], []
+  full_ok = {c for c in cols if store.cells.get(cell_id("full", *c), {}).get("correct")}
+  for label in labels:
+    recs = [store.cells.get(cell_id(label, n, d)) for n, d in cols]
+    if all(r is None for r in recs):
+      continue
+    marks = ["·" if r is None else ("✓" if r["correct"] else "✗") for r in recs]
+    done = [r for r in recs if r is not None]
+    acc = sum(r["correct"] for r in done) / len(done)
+    batches = {(r["length"], r["batch_seconds"]) for r in done}
+    rows.append([label] + marks + [f"{acc:.2f} ({sum(r['correct'] for r in done)}/{len(done)})",
+                                   report.mib(max(r["device_bytes"] for r in done)),
+                                   f"{sum(s for _, s in batches):.0f}"])
+    if label != "full" and full_ok:
+      missed = [f"{n}@{d:g}" for (n, d), r in zip(cols, recs) if (n, d) in full_ok and r is not None
+                and not r["correct"]]
+      notes.append(f"- {label}: " + (f"misses {', '.join(missed)} that full retrieves" if missed
+                                     else "retrieves every needle the full cache retrieves"))
+  return report.md_table(headers, rows), notes
+
+
+def write_outputs(config, store, labels, lengths, depths, command, seconds) -> str:
+  out_dir = pathlib.Path(config.output_dir)
+  table, notes = summary_table(store, labels, lengths, depths)
+  intro = [f"Model `{config.model}`; haystack: Paul Graham essays; columns `length@depth` (context tokens @ "
+           f"relative needle depth); greedy, at most {config.max_new_tokens} new tokens, stop at EOS.",
+           f"Needle: \"{config.needle}\" Question: \"{config.question}\" Correct if the answer contains "
+           f"\"{config.answer}\" (case-insensitive). ✓ found, ✗ missed, · not run yet.",
+           "Device MiB: the cache's accelerator bytes for one row at the longest context (StreamingLLM and H2O "
+           "are sized to SpeCache 1-bit's bytes at each length).",
+           f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
+  text = report.header("Needle in a Haystack", command, intro) + "\n" + table + "\n"
+  if notes:
+    text += "\n" + "\n".join(notes) + "\n"
+  atomic_write_text(out_dir / "summary.md", text)
+  plot_heatmaps(store, labels, lengths, depths, out_dir)
+  return table
+
+
+def plot_heatmaps(store, labels, lengths, depths, out_dir: pathlib.Path) -> None:
+  """heatmap_<label>.png per method and heatmaps.png with all of them side by side."""
+  plt = report.pyplot()
+  from matplotlib.colors import ListedColormap
+  cmap = ListedColormap(["#d9534f", "#5cb85c"])
+  shown = [lab for lab in labels if any(cell_id(lab, n, d) in store.cells for n in lengths for d in depths)]
+
+  def draw(ax, label):
+    grid_DL = np.full((len(depths), len(lengths)), np.nan)
+    for i, d in enumerate(depths):
+      for j, n in enumerate(lengths):
+        rec = store.cells.get(cell_id(label, n, d))
+        if rec is not None:
+          grid_DL[i, j] = float(rec["correct"])
+    ax.imshow(np.ma.masked_invalid(grid_DL), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    for i in range(len(depths)):
+      for j in range(len(lengths)):
+        mark = "" if np.isnan(grid_DL[i, j]) else ("✓" if grid_DL[i, j] else "✗")
+        ax.text(j, i, mark, ha="center", va="center", color="white", fontsize=14)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("needle depth")
+    ax.set_title(label)
+
+  for label in shown:
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.6 * len(depths)))
+    draw(ax, label)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"heatmap_{label}.png", dpi=110)
+    plt.close(fig)
+  if shown:
+    fig, axes = plt.subplots(1, len(shown), figsize=(len(shown) * (1.0 + 1.1 * len(lengths)),
+                                                     1.2 + 0.6 * len(depths)), squeeze=False)
+    for ax, label in zip(axes[0], shown):
+      draw(ax, label)
+    fig.tight_layout()
+    fig.savefig(out_dir / "heatmaps.png", dpi=110)
+    plt.close(fig)
