@@ -1,0 +1,234 @@
+"""The experiment launchers' logic end to end on the random tiny model (never SmolLM2), and resumability."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from configs import ablations as ablations_cfg
+from configs import hitrate as hitrate_cfg
+from configs import longbench as longbench_cfg
+from configs import niah as niah_cfg
+from configs import perplexity as perplexity_cfg
+from specache_jax.data import longbench as lb
+from specache_jax.experiments_lib import ablations, hitrate, longbench, models, niah, perplexity
+from specache_jax.experiments_lib.store import ResultStore, fingerprint
+from specache_jax.experiments_lib.teacher_forcing import teacher_forced_nll
+from specache_jax.model.decoder import forward_full
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return models.load("tiny-random")
+
+
+def _cfg(module, tmp_path, **overrides):
+  c = module.get_config("test")
+  c.output_dir = str(tmp_path)
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def _without_seconds(table: str) -> list[list[str]]:
+  """Table rows without the timing column (timings differ between runs, results must not)."""
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+  drop = rows[0].index("seconds")
+  return [[c for i, c in enumerate(r) if i != drop] for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------- store
+def test_store_is_atomic_resumable_and_fingerprinted(tmp_path):
+  path = tmp_path / "r.json"
+  store = ResultStore(path)
+  fp = fingerprint("model", {"bits": 1})
+  assert store.pending([("a", fp), ("b", fp)]) == [("a", fp), ("b", fp)]
+  store.put_many({"a": {"x": 1}}, fp)
+  again = ResultStore(path)
+  assert again.done("a", fp) and not again.done("b", fp)
+  assert not again.done("a", fingerprint("model", {"bits": 2}))      # other settings: recompute
+  assert again.get("a")["run_id"] == store.run_id != again.run_id
+  assert not list(tmp_path.glob(".*.tmp"))                            # no temporary file left behind
+  path.write_text("{not json")
+  with pytest.raises(ValueError, match="not valid JSON"):
+    ResultStore(path)
+
+
+# ---------------------------------------------------------------------------------- teacher forcing
+@pytest.mark.parametrize("name,settings", [("full", {}), ("specache", dict(bits=1, topk=128))])
+def test_teacher_forcing_equals_the_cache_free_forward(tiny, name, settings):
+  """Full cache, and SpeCache with k ≥ every position (exact by construction), through the two-row decode
+  path token by token, give the cache-free forward's log-likelihoods."""
+  rs = np.random.RandomState(1)
+  toks = jnp.asarray(rs.randint(1, 128, size=(2, 100)), jnp.int32)
+  logp = jax.nn.log_softmax(forward_full(tiny.params, tiny.config, toks), axis=-1)
+  ref = -np.asarray(jnp.take_along_axis(logp[:, :-1], toks[:, 1:, None], axis=-1)[..., 0])
+  nll, hits = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config(name, **settings),
+                                 prefix=30)
+  np.testing.assert_allclose(np.asarray(nll), ref[:, 29:], atol=1e-4)
+  assert np.asarray(hits).shape == (2,)
+
+
+def test_teacher_forcing_low_bit_differs(tiny):
+  rs = np.random.RandomState(2)
+  toks = jnp.asarray(rs.randint(1, 128, size=(1, 200)), jnp.int32)
+  full, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config("full"), prefix=20)
+  low, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config,
+                              method=sj.cache_config("kivi", bits=1, group_size=64, residual=64), prefix=20)
+  assert np.abs(np.asarray(full) - np.asarray(low))[:, 64:].max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------ perplexity
+def test_perplexity_end_to_end_and_rerun_reuses_cells(tiny, tmp_path):
+  cfg = _cfg(perplexity_cfg, tmp_path)
+  res = perplexity.run(cfg, model=tiny, log=lambda *_: None)
+  labels = cfg.run_methods.split(",")
+  assert res.computed == len(labels) and res.skipped == 0
+  for label in labels:
+    rec = res.records[f"{label}/w0"]
+    assert sum(rec["count"].values()) == cfg.window_tokens - cfg.prefix_tokens
+    assert all(np.isfinite(v) for v in rec["nll_sum"].values())
+  assert (tmp_path / "perplexity.png").stat().st_size > 0
+  summary = (tmp_path / "summary.md").read_text()
+  assert "python -m experiments.perplexity" in summary and "| specache_1bit |" in summary
+  again = perplexity.run(cfg, model=tiny, log=lambda *_: None)
+  assert again.computed == 0 and again.skipped == len(labels) and again.table == res.table
+
+
+# ------------------------------------------------------------------------------------------- hit rate
+def test_hitrate_end_to_end(tiny, tmp_path):
+  cfg = _cfg(hitrate_cfg, tmp_path)
+  res = hitrate.run(cfg, model=tiny, log=lambda *_: None)
+  for label in cfg.run_methods.split(","):
+    rec = res.records[label]
+    assert 0.0 <= rec["exact_hit_rate"] <= 1.0 and 0.0 <= rec["topk_hit_rate"] <= 1.0
+    assert len(rec["topk_hit_rate_per_layer"]) == tiny.config.n_layers
+    assert rec["tokens"] == cfg.num_prompts * cfg.max_new_tokens        # no stop token: full length
+  assert (tmp_path / "hitrate.png").stat().st_size > 0
+  cfg.run_methods = "full"
+  with pytest.raises(ValueError, match="hit rates are SpeCache's"):
+    hitrate.run(cfg, model=tiny, log=lambda *_: None)
+
+
+# ------------------------------------------------------------------------------------------ LongBench
+def test_longbench_on_fixtures_resumes_and_scores(tiny, tmp_path):
+  cfg = _cfg(longbench_cfg, tmp_path, tasks="trec,lcc", stop_after=1, batch_size=1)
+  first = longbench.run(cfg, model=tiny, log=lambda *_: None)
+  assert first.computed == 1                                          # stopped after one prediction
+  cfg.stop_after = 0
+  res = longbench.run(cfg, model=tiny, log=lambda *_: None)
+  data = lb.read_jsonl_dir(FIXTURES, ["trec", "lcc"])
+  total = 2 * sum(len(v) for v in data.values())
+  assert res.computed == total - 1 and res.skipped == 1
+  for label in ("full", "specache_1bit"):
+    for task, examples in data.items():
+      lines = [json.loads(x) for x in (tmp_path / label / f"{task}.jsonl").read_text().splitlines()]
+      assert [x["_id"] for x in lines] == [ex.id for ex in examples]
+      rescored = lb.scorer(task, [x["pred"] for x in lines], [x["answers"] for x in lines],
+                           examples[0].all_classes)
+      assert res.scores[label][task] == rescored
+  assert json.loads((tmp_path / "scores.json").read_text()) == res.scores
+  assert "| TREC | LCC |" in res.table.splitlines()[0].replace("Method | ", "")
+
+
+def test_longbench_stop_tokens_include_newline_for_samsum(tiny):
+  assert longbench.stop_tokens_for(tiny, "samsum") == (0, ord("\n"))
+  assert longbench.stop_tokens_for(tiny, "trec") == (0,)
+
+
+# ----------------------------------------------------------------------------------------------- NIAH
+def test_niah_cases_and_table(tiny, tmp_path):
+  cfg = _cfg(niah_cfg, tmp_path)
+  res = niah.run(cfg, model=tiny, log=lambda *_: None)
+  lengths, depths = niah.grid(cfg)
+  labels = cfg.run_methods.split(",")
+  assert res.computed == len(labels) * len(lengths) * len(depths)
+  for label in labels:
+    for n in lengths:
+      for d in depths:
+        rec = res.records[niah.cell_id(label, n, d)]
+        assert abs(rec["prompt_tokens"] - n) <= 8 and isinstance(rec["correct"], bool)
+  rows = _without_seconds(res.table)
+  assert [r[0] for r in rows[2:]] == labels
+  for label in labels:
+    assert (tmp_path / f"heatmap_{label}.png").stat().st_size > 0
+  assert (tmp_path / "heatmaps.png").exists()
+
+
+def test_niah_answer_check_reads_the_needle(tiny, tmp_path):
+  cfg = _cfg(niah_cfg, tmp_path)
+  case = niah.build_cases(cfg, tiny.tokenizer, [160], [0.5])[160, 0.5]
+  assert case.check(f"It is to {cfg.answer.lower()}.") and not case.check("I do not know.")
+
+
+def test_niah_killed_midway_resumes_to_the_uninterrupted_table(tiny, tmp_path):
+  """A real kill (SIGKILL of a subprocess after its first stored cells), then a restart: the finished
+  cells are reused (their run id survives) and the table equals an uninterrupted run's."""
+  straight = niah.run(_cfg(niah_cfg, tmp_path / "straight"), model=tiny, log=lambda *_: None)
+  out = tmp_path / "killed"
+  results = out / "results.json"
+  proc = subprocess.Popen([sys.executable, "-m", "experiments.niah", "--config=configs/niah.py:test",
+                           f"--config.output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, env=dict(os.environ))
+  deadline = time.time() + 90
+  try:
+    while not results.exists() and proc.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  before = json.loads(results.read_text())["cells"]                   # a complete file, never half-written
+  total = len(straight.records)
+  assert 0 < len(before) < total, "the subprocess was not stopped midway"
+  resumed = niah.run(_cfg(niah_cfg, out), model=tiny, log=lambda *_: None)
+  assert resumed.skipped == len(before) and resumed.computed == total - len(before)
+  for cid, rec in before.items():
+    assert resumed.records[cid]["run_id"] == rec["run_id"]             # not recomputed
+  assert _without_seconds(resumed.table) == _without_seconds(straight.table)
+  assert {c: r["answer"] for c, r in resumed.records.items()} == {
+      c: r["answer"] for c, r in straight.records.items()}
+
+
+def test_niah_stop_after_splits_a_sweep(tiny, tmp_path):
+  cfg = _cfg(niah_cfg, tmp_path, stop_after=1, run_methods="full,specache_1bit")
+  part = niah.run(cfg, model=tiny, log=lambda *_: None)
+  assert part.computed == len(niah.grid(cfg)[1])                       # one batch: the depths of one length
+  cfg.stop_after = 0
+  rest = niah.run(cfg, model=tiny, log=lambda *_: None)
+  assert rest.skipped == part.computed and rest.computed + rest.skipped == 2 * 2 * 2
+
+
+# ------------------------------------------------------------------------------------------ ablations
+def test_ablations_join_niah_and_perplexity(tiny, tmp_path):
+  cfg = _cfg(ablations_cfg, tmp_path)
+  res = ablations.run(cfg, model=tiny, log=lambda *_: None)
+  labels = cfg.run_methods.split(",")
+  for label in labels:
+    row = res.rows[label]
+    assert row["niah_cells"] == 1 and set(row["ppl"]) == {"0–100", "100–200"}
+  assert res.rows["k0"]["settings"]["topk"] == 0 and res.rows["non_speculative"]["spec_hit_rate"] is None
+  assert (tmp_path / "niah" / "results.json").exists() and (tmp_path / "perplexity" / "results.json").exists()
+  lines = res.table.splitlines()
+  assert [line.split("|")[1].strip() for line in lines[2:]] == labels
+
+
+def test_configs_have_cpu_gpu_and_test_variants():
+  for module in (niah_cfg, perplexity_cfg, hitrate_cfg, ablations_cfg, longbench_cfg):
+    for arg in ("cpu", "gpu", "test"):
+      module.get_config(arg)
+    with pytest.raises(ValueError, match="must be one of cpu, gpu, test"):
+      module.get_config("tpu")
+  assert niah_cfg.get_config().model == "smollm2-135m"
