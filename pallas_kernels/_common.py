@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 BITS = (1, 2, 4, 8)
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dimension >= 16.
@@ -70,7 +70,6 @@ def check_key_arrays(k_codes, k_scale, k_zero, bits: int, group_size: int, head_
 
 def triton_params(num_warps: int, num_stages: int):
   """Compiler params selecting the Triton GPU backend (see the module docstrings for why)."""
-  from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -110,13 +109,13 @@ def dequant_values_block(codes_int: jax.Array, scale: jax.Array, zero: jax.Array
 def dot_nt(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
   """a [M, D] · b [N, D]ᵀ -> f32 [M, N]; operands in `dtype` (f32: full precision, no TF32)."""
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-  return pl.dot(a.astype(dtype), b.astype(dtype), trans_b=True, precision=precision)
+  return plgpu.dot(a.astype(dtype), b.astype(dtype), trans_b=True, precision=precision)
 
 
 def dot_nn(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
   """a [M, D] · b [D, N] -> f32 [M, N]; operands in `dtype` (f32: full precision, no TF32)."""
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-  return pl.dot(a.astype(dtype), b.astype(dtype), precision=precision)
+  return plgpu.dot(a.astype(dtype), b.astype(dtype), precision=precision)
 
 
 # ----------------------------------------------------------------------------------------------------
