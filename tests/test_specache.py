@@ -165,3 +165,14 @@ def test_topk_larger_than_the_cache_fails_before_compiling():
   with pytest.raises(ValueError, match="larger than the cache"):
     sj.generate(model, [[1, 2, 3]], max_new_tokens=4,
                 cache=sj.cache_config("specache", group_size=8, residual=8, topk=1000))
+
+
+def test_pallas_interpret_attention_gives_the_same_tokens_as_jnp():
+  model = _model()
+  prompts = random_prompts(9, [22, 37], model.config.vocab_size)
+  kw = dict(bits=2, group_size=8, residual=8, topk=4)
+  ref = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=(),
+                    cache=sj.cache_config("specache", **kw))
+  got = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=(),
+                    cache=sj.cache_config("specache", attention_impl="pallas_interpret", **kw))
+  np.testing.assert_array_equal(got.tokens, ref.tokens)
