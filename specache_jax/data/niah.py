@@ -120,19 +120,21 @@ def build_case(tokenizer: Tokenizer, haystack_text: str, needle: NeedleSpec, con
   cut = _sentence_boundary(haystack, target)
   before, after = haystack[:cut], haystack[cut:]
   if cut == len(haystack):
-    context = f"{before.rstrip()} {needle.needle}" if before.strip() else needle.needle
+    before = f"{before.rstrip()} " if before.strip() else ""
+    context = before + needle.needle
   elif cut == 0:
     context = f"{needle.needle} {after.lstrip()}"
   else:
     context = f"{before}{needle.needle} {after}"
+  needle_at = len(before)  # char offset of the needle in the context
   used = min(len(tokenizer.encode(before)), budget) / budget if before.strip() else 0.0
 
   prompt = formatter(context, needle.question)
   if context not in prompt:
     raise ValueError(f"formatter {formatter!r} must include the context verbatim in the prompt")
   prompt_ids = list(tokenizer.encode(prompt))
-  start, end = _needle_token_span(tokenizer, prompt, prompt_ids, needle.needle, prompt.index(context) +
-                                  context.index(needle.needle))
+  start, end = _needle_token_span(tokenizer, prompt, prompt_ids, needle.needle,
+                                  prompt.index(context) + needle_at)
   return NiahCase(context=context, prompt=prompt, prompt_ids=tuple(prompt_ids), needle_start=start,
                   needle_end=end, depth=used, requested_depth=float(depth), context_tokens=context_tokens,
                   haystack_tokens=budget, spec=needle)
