@@ -1,0 +1,62 @@
+"""Decode step time of every cache method (ratios to `full` in the same run) and measured device bytes.
+
+Run (from the repository root):
+  python -m experiments.caches_bench --config=configs/caches_bench.py          # "cpu": SmolLM2, 1k/4k/8k
+  python -m experiments.caches_bench --config=configs/caches_bench.py:gpu      # the same on a GPU, longer
+  python -m experiments.caches_bench --config=configs/caches_bench.py:test     # tiny random model, seconds
+"""
+import ml_collections
+
+from specache_jax.experiments_lib import methods
+
+
+def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
+  if arg not in ("cpu", "gpu", "test"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
+  c = ml_collections.ConfigDict()
+  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
+  c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
+  c.contexts = [1024, 4096, 8192]   # cache slots S per cell; the prompt is S - margin tokens
+  c.batches = [1, 4]                # prompt rows per cell (distinct random prompts, prefilled row by row)
+  c.margin = 32                     # slots left free for the timed decode steps (>= warmup + iters + 2)
+  c.warmup = 2                      # untimed decode steps (the first compiles)
+  c.iters = 5                       # timed decode steps per method (median reported)
+  c.seed = 0                        # prompt tokens
+  c.methods = methods.standard()    # label -> cache settings (experiments_lib/methods.py)
+  c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+  c.reference = "full"              # ratios are to this label's numbers in the same cell
+  c.target_context = 8192           # issue 3's target: SpeCache (simulated) step <= target_ratio x full here
+  c.target_ratio = 1.5
+  c.profile_context = 8192          # 0: no profile; else break the SpeCache step down at this context
+  c.profile_method = "specache_1bit"
+  c.max_seconds = 3000              # cells not started by then are recorded as skipped (with the reason)
+  c.out = "results/caches_cpu"      # writes <out>.json and <out>.md
+  if arg == "gpu":
+    c.model = "random:llama3.2-1b"
+    c.dtype = "bfloat16"
+    c.contexts = [8192, 32768]
+    c.batches = [1, 8]
+    c.target_context = 32768
+    c.profile_context = 0
+    c.max_seconds = 240
+    c.out = "results/caches_gpu"
+  elif arg == "test":
+    c.model = "random:tiny"
+    c.contexts = [128, 256]
+    c.batches = [1, 2]
+    c.margin = 16
+    c.warmup = 1
+    c.iters = 2
+    c.methods = dict(
+        full=dict(name="full"),
+        kivi_2bit=dict(name="kivi", bits=2, group_size=8, residual=16),
+        specache_1bit=dict(name="specache", bits=1, group_size=8, residual=8, topk=4),
+        specache_2bit=dict(name="specache", bits=2, group_size=8, residual=8, topk=4),
+        streaming=dict(name="streaming", match="specache_1bit"),
+        h2o=dict(name="h2o", match="specache_1bit"))
+    c.run_methods = "full,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+    c.target_context = 256
+    c.profile_context = 256
+    c.max_seconds = 300
+    c.out = "/tmp/specache_results/caches_test"
+  return c

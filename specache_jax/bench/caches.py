@@ -1,0 +1,172 @@
+"""Decode step time of every cache method on a prefilled cache, as ratios to `full` measured in the same run,
+plus each method's device bytes measured on its real state arrays.
+
+A step is the jitted `forward_jit(params, cfg, tokens, cache, method, phase="decode")` (all layers, the LM
+head), timed call by call after warm-up and blocked on the logits and the new cache; the cache is threaded
+through the calls as in a decoding loop. Each (context, batch) cell prefills its prompts once (`states`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from specache_jax.bench import states, timing
+from specache_jax.caches.base import tree_nbytes
+from specache_jax.experiments_lib import methods as exp_methods
+from specache_jax.model.decoder import forward_jit
+
+
+def random_prompts(seed: int, batch: int, length: int, vocab: int):
+  """Distinct seeded random prompts: tokens [B, T] int32, lengths [B] (all T)."""
+  rs = np.random.RandomState(seed)
+  return rs.randint(0, vocab, size=(batch, length)).astype(np.int32), np.full((batch,), length, np.int32)
+
+
+def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -> dict[str, Any]:
+  """Median seconds of one decode step (first call = compile + run, reported apart)."""
+  holder = {"cache": cache}
+
+  def call():
+    logits, holder["cache"], _ = forward_jit(params, cfg, inp, holder["cache"], method, "decode")
+    return logits, holder["cache"]
+
+  first_s, _ = timing.timed(call)
+  stats = timing.time_calls(call, max(warmup - 1, 0), iters)
+  stats["first_call_s"] = first_s
+  return stats
+
+
+def measure_method(params, cfg, method, captured, first_B, lengths_B, max_len, warmup, iters) -> dict:
+  t0 = time.perf_counter()
+  cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=max_len)
+  inp, cache = states.first_decode_input(params, first_B, cache, cfg=cfg, method=method)
+  timing.block(cache)
+  build_s = time.perf_counter() - t0
+  rec = {"method": exp_methods.describe(method), "slots": max_len,
+         "device_bytes": int(method.impl.device_bytes(method, cache.layers)),
+         "resident_bytes": tree_nbytes(cache.layers), "build_s": build_s}
+  rec["step"] = time_decode_step(params, cfg, method, cache, inp, warmup, iters)
+  return rec
+
+
+def _skip(reason: str) -> dict:
+  return {"skipped": reason}
+
+
+def _error_reason(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def run_context(config, model, context: int, deadline: float, log: Callable[[str], None],
+                keep: dict | None = None) -> list[dict]:
+  """All (batch, method) cells of one context length; prompts prefilled row by row, once. `keep`, if
+  given, receives keep[context] = (first [1], Captured, lengths [1]) of row 0 (reused by the profile)."""
+  cfg, params = model.config, model.params
+  dtype = params["embed"].dtype
+  labels = exp_methods.labels(config)
+  prompt_len = context - config.margin
+  steps = config.warmup + config.iters
+  if prompt_len < 1:
+    raise ValueError(f"context={context} must exceed margin={config.margin}")
+  batches = sorted(int(b) for b in config.batches)
+  tokens, lengths = random_prompts(config.seed + context, batches[-1], prompt_len, cfg.vocab_size)
+  firsts, parts, row_s = [], [], []
+  for row in range(batches[-1]):
+    est = max(row_s) if row_s else 0.0
+    if time.perf_counter() + est > deadline:
+      break
+    t0 = time.perf_counter()
+    first, cap = states.capture(params, cfg, tokens[row:row + 1], lengths[row:row + 1])
+    timing.block(cap)
+    row_s.append(time.perf_counter() - t0)
+    firsts.append(first)
+    parts.append(cap)
+    log(f"context {context}: prefilled row {row} in {row_s[-1]:.1f} s")
+  if keep is not None and parts:
+    keep[context] = (firsts[0], parts[0], jax.numpy.asarray(lengths[:1]))
+  cells = []
+  for batch in batches:
+    cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
+            "prefill_s_per_row": row_s, "methods": {}}
+    cells.append(cell)
+    if len(parts) < batch:
+      cell["skipped"] = (f"out of time: {len(parts)} of {batch} prompt rows prefilled "
+                         f"({row_s[0] if row_s else float('nan'):.0f} s per row) before the deadline")
+      continue
+    cat = lambda *xs: jax.numpy.concatenate(xs, axis=1)
+    captured = parts[0] if batch == 1 else jax.tree.map(cat, *parts[:batch])
+    first = jax.numpy.concatenate(firsts[:batch])
+    lens = jax.numpy.asarray(lengths[:batch])
+    for label in labels:
+      if time.perf_counter() > deadline:
+        cell["methods"][label] = _skip("out of time (config.max_seconds)")
+        continue
+      try:
+        max_len = states.cell_slots(prompt_len, steps)
+        method = exp_methods.build(config, label, cfg, max_len, dtype)
+        rec = measure_method(params, cfg, method, captured, first, lens, max_len, config.warmup, config.iters)
+      except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal
+        rec = _skip(_error_reason(e))
+      cell["methods"][label] = rec
+      step = rec.get("step", {}).get("median_s")
+      log(f"context {context} batch {batch} {label}: "
+          + (f"{step * 1e3:.1f} ms/step" if step else rec.get("skipped", "")))
+    _add_ratios(cell, config.reference)
+  return cells
+
+
+def _add_ratios(cell: dict, reference: str) -> None:
+  ref = cell["methods"].get(reference, {})
+  for rec in cell["methods"].values():
+    if "step" not in rec:
+      continue
+    rec["step_ratio"] = timing.ratio(rec["step"]["median_s"], ref.get("step", {}).get("median_s"))
+    rec["device_bytes_ratio"] = timing.ratio(rec["device_bytes"], ref.get("device_bytes"))
+
+
+def target_check(cells: list[dict], config) -> dict:
+  """Issue 3's target: every simulated SpeCache method's step ≤ target_ratio × full at the target context."""
+  found = {}
+  for cell in cells:
+    if cell["context"] != config.target_context:
+      continue
+    for label, rec in cell["methods"].items():
+      spec = rec.get("method", {})
+      if spec.get("name") == "specache" and not spec.get("offload") and rec.get("step_ratio") is not None:
+        found[f"{label}@batch{cell['batch']}"] = round(rec["step_ratio"], 3)
+  met = bool(found) and all(r <= config.target_ratio for r in found.values())
+  return {"rule": f"SpeCache (simulated) step <= {config.target_ratio} x full at context {config.target_context}",
+          "ratios": found, "met": met if found else None}
+
+
+def run(config, model, log: Callable[[str], None] = print) -> dict:
+  """The whole sweep -> a JSON-ready dict {meta, cells, target, profile}."""
+  t_start = time.perf_counter()
+  deadline = t_start + float(config.max_seconds)
+  meta = {"benchmark": "caches", "model": model.source, "model_config": model.config.name,
+          "dtype": str(model.params["embed"].dtype), "machine_start": timing.machine_info(),
+          "warmup": config.warmup, "iters": config.iters, "reference": config.reference,
+          "methods": {label: exp_methods.spec_of(config, label) for label in exp_methods.labels(config)}}
+  cells, keep = [], {}
+  for context in config.contexts:
+    cells.extend(run_context(config, model, int(context), deadline, log,
+                             keep if int(context) == int(config.profile_context or -1) else None))
+  result = {"meta": meta, "cells": cells, "target": target_check(cells, config)}
+  if config.profile_context and time.perf_counter() > deadline:
+    result["profile"] = {"skipped": "out of time (config.max_seconds)"}
+  elif config.profile_context:
+    from specache_jax.bench import profile
+    label = config.profile_method
+    method = exp_methods.build(config, label, model.config,
+                               states.cell_slots(int(config.profile_context) - config.margin, config.iters + 2),
+                               model.params["embed"].dtype)
+    result["profile"] = profile.profile_specache_step(model, method, int(config.profile_context),
+                                                      config.margin, config.seed, config.iters,
+                                                      keep.get(int(config.profile_context)))
+    result["profile"]["label"] = label
+  meta["machine_end"] = timing.machine_info()
+  meta["seconds"] = time.perf_counter() - t_start
+  return result

@@ -1,0 +1,157 @@
+"""How much of the κ fetch the offloaded runtime hides behind compute.
+
+On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` decoding steps each:
+  (a) compute alone: the same runtime step, every fetch answered by the rows the layer already holds on the
+      device (ready arrays, no host gather, no transfer) — host appends still run;
+  (b) fetch alone: all layers' host gathers + `device_put` of κ, issued together and blocked on;
+  (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer's attention).
+fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). On a CPU the overlap only
+shows with single-threaded XLA, so `run_configured` measures in a subprocess with
+XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
+
+  python -m specache_jax.bench.overlap '<json settings>'    # the subprocess entry: prints one JSON line
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+
+from specache_jax.bench import models, states, timing
+from specache_jax.bench.caches import random_prompts
+from specache_jax.bench.throughput import RuntimeDriver
+from specache_jax.caches import cache_config
+
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+class _Held:
+  def __init__(self, value):
+    self._value = value
+
+  def result(self):
+    return self._value
+
+
+class ResidentStore:
+  """Wraps a host store: `fetch` returns the rows the layer already holds on the device (no gather, no
+  transfer); writes go to the real store."""
+
+  def __init__(self, store, runtime):
+    self._store, self._rt = store, runtime
+    self.kind = store.kind
+
+  def fetch(self, layer, kappa_BKX):
+    del kappa_BKX
+    st = self._rt.states[layer]
+    return _Held((st.fetched_k, st.fetched_v))
+
+  def __getattr__(self, name):
+    return getattr(self._store, name)
+
+
+def fetch_all_layers(rt):
+  """(b): issue every layer's κ gather + device_put, then block on all of them."""
+  pending = [rt.store.fetch(l, rt.states[l].kappa) for l in range(len(rt.states))]
+  return [p.result() for p in pending]
+
+
+def measure(model, method, context: int, batch: int, steps: int, rounds: int, warmup: int, margin: int,
+            seed: int) -> dict:
+  """Medians over `rounds` of (a), (b), (c), each the mean over `steps` steps; method must be offloaded."""
+  if not (getattr(method, "offload", False) and method.speculative):
+    raise ValueError(f"the overlap measurement needs an offloaded speculative SpeCache config; got {method!r}")
+  prompt_len = context - margin
+  total = warmup + rounds * 2 * steps + 2
+  tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
+  drv = RuntimeDriver(model, method, batch, states.cell_slots(prompt_len, total), prompt_len)
+  carry = drv.prefill(tokens, lengths)
+  _, carry = timing.time_chain(drv.step, carry, warmup, 1, sync=drv.sync)
+  rt, real = drv.rt, drv.rt.store
+  a, b, c = [], [], []
+  for _ in range(rounds):
+    sec, carry = timing.time_chain(drv.step, carry, 0, steps, sync=drv.sync)
+    c.append(sec)
+    rt.store = ResidentStore(real, rt)
+    try:
+      sec, carry = timing.time_chain(drv.step, carry, 0, steps, sync=drv.sync)
+    finally:
+      rt.store = real
+    a.append(sec)
+    fetch_all_layers(rt)                                                       # warm (compiled already)
+    b.append(timing.time_calls(lambda: fetch_all_layers(rt), 0, steps)["mean_s"])
+  ma, mb, mc = statistics.median(a), statistics.median(b), statistics.median(c)
+  raw = (ma + mb - mc) / mb if mb > 0 else float("nan")
+  return {"context": context, "batch": batch, "store": real.kind, "steps": steps, "rounds": rounds,
+          "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc,
+          "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c},
+          "fraction_hidden_raw": raw, "fraction_hidden": min(max(raw, 0.0), 1.0),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average_1_5_15": timing.load_average()}
+
+
+def nonspeculative_step(model, method, context, batch, steps, warmup, margin, seed) -> float:
+  """Seconds per step of the non-speculative ablation (fetch on the critical path), same settings."""
+  import dataclasses
+  ns = dataclasses.replace(method, speculative=False)
+  prompt_len = context - margin
+  tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
+  drv = RuntimeDriver(model, ns, batch, states.cell_slots(prompt_len, warmup + steps + 2), prompt_len)
+  sec, _ = timing.time_chain(drv.step, drv.prefill(tokens, lengths), warmup, steps, sync=drv.sync)
+  return sec
+
+
+def main_settings(settings: dict) -> dict:
+  """Everything from JSON-ready settings (what the subprocess receives)."""
+  model = models.load(settings["model"], settings.get("dtype", ""), settings.get("seed", 0))
+  spec = dict(settings["method"])
+  method = cache_config(spec.pop("name"), **spec)
+  kw = {k: settings[k] for k in ("context", "batch", "steps", "warmup", "margin", "seed")}
+  out = measure(model, method, rounds=settings["rounds"], **kw)
+  if settings.get("nonspeculative"):
+    out["nonspeculative_step_s"] = nonspeculative_step(model, method, **kw)
+  out["model"] = model.source
+  out["method"] = settings["method"]
+  return out
+
+
+def run_subprocess(settings: dict, single_thread: bool, timeout_s: float) -> dict:
+  """`main_settings` in a fresh Python (optionally single-threaded XLA); returns its JSON or {skipped}."""
+  env = dict(os.environ)
+  if single_thread:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA).strip()
+  cmd = [sys.executable, "-m", "specache_jax.bench.overlap", json.dumps(settings)]
+  t0 = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return {"skipped": f"the overlap subprocess ran past {timeout_s:.0f} s"}
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode or not lines:
+    return {"skipped": f"the overlap subprocess failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}"}
+  out = json.loads(lines[-1])
+  out["subprocess_s"] = time.perf_counter() - t0
+  return out
+
+
+def run_configured(config, log=print) -> dict:
+  """The overlap measurement as `config.overlap` describes it (in a subprocess when asked)."""
+  o = config.overlap
+  method = dict(o.method.to_dict() if hasattr(o.method, "to_dict") else o.method)
+  settings = dict(model=config.model, dtype=config.dtype, seed=config.seed, method=method, context=o.context,
+                  batch=o.batch, steps=o.steps, rounds=o.rounds, warmup=o.warmup, margin=config.margin,
+                  nonspeculative=o.nonspeculative)
+  log(f"overlap: {settings}")
+  if o.subprocess:
+    return run_subprocess(settings, o.single_thread_xla and jax.default_backend() == "cpu", o.timeout_s)
+  return main_settings(settings)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 2:
+    raise SystemExit("usage: python -m specache_jax.bench.overlap '<json settings>'")
+  print(json.dumps(main_settings(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,125 @@
+"""Markdown tables of the benchmark result dicts (what goes next to the JSON under results/)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _ms(s: float | None) -> str:
+  return "—" if s is None else (f"{s * 1e3:.1f}" if s < 10 else f"{s:.1f} s")
+
+
+def _x(r: float | None) -> str:
+  return "—" if r is None else f"{r:.2f}×"
+
+
+def _mb(n: int | None) -> str:
+  return "—" if n is None else f"{n / 2**20:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+          + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _machine(meta: dict) -> list[str]:
+  start, end = meta.get("machine_start", {}), meta.get("machine_end", {})
+  return [f"- model: {meta.get('model')} ({meta.get('dtype')})",
+          f"- machine: {start.get('device')} on {start.get('host')}, {start.get('cpu_count')} CPUs, jax "
+          f"{start.get('jax')}, XLA_FLAGS=`{start.get('xla_flags')}`",
+          f"- load average (1/5/15 min) at start {start.get('load_average_1_5_15')}, at end "
+          f"{end.get('load_average_1_5_15')} (other jobs shared the machine when it is above ~0)",
+          f"- wall time {meta.get('seconds', 0):.0f} s; command: `{meta.get('command', '')}`"]
+
+
+def caches_markdown(result: dict) -> str:
+  meta, cells = result["meta"], result["cells"]
+  labels = list(meta["methods"])
+  lines = ["# Decode step time per cache method", ""] + _machine(meta) + [
+      f"- a step = the jitted whole-model `forward_jit(..., phase=\"decode\")` on a prefilled cache, median of "
+      f"{meta['iters']} blocked calls after {meta['warmup']} warm-up calls; ratio = method / "
+      f"`{meta['reference']}` in the same cell", ""]
+  cols = [c for c in cells]
+  head = ["method"] + [f"S={c['context']} B={c['batch']}" for c in cols]
+  rows = []
+  for label in labels:
+    row = [label]
+    for c in cols:
+      rec = c["methods"].get(label, {})
+      if "step" in rec:
+        row.append(f"{_ms(rec['step']['median_s'])} ms ({_x(rec.get('step_ratio'))})")
+      else:
+        row.append(f"skipped: {rec.get('skipped') or c.get('skipped', 'not run')}")
+    rows.append(row)
+  lines += ["## Step time (ms) and ratio to full", ""] + _table(head, rows) + [""]
+  rows = []
+  for label in labels:
+    row = [label]
+    for c in cols:
+      rec = c["methods"].get(label, {})
+      row.append(f"{_mb(rec.get('device_bytes'))} MiB ({_x(rec.get('device_bytes_ratio'))})"
+                 if "device_bytes" in rec else "—")
+    rows.append(row)
+  lines += ["## Device bytes of the cache state (MiB) and ratio to full", "",
+            "Measured with each method's `device_bytes` on its real state arrays (SpeCache: everything but "
+            "the 16-bit cache, which belongs to host memory; in the simulated mode it is a device array read "
+            "only through the κ gather).", ""] + _table(head, rows) + [""]
+  tgt = result.get("target", {})
+  verdict = {True: "**met**", False: "**not met**", None: "not measured"}[tgt.get("met")]
+  lines += ["## Target", "", f"{tgt.get('rule')}: {verdict} — ratios {json.dumps(tgt.get('ratios'))}", ""]
+  prof = result.get("profile")
+  if prof and "pieces" in prof:
+    lines += [f"## Where a SpeCache step goes ({prof.get('label')}, S={prof['context']}, B={prof['batch']})", "",
+              f"Whole step: SpeCache {_ms(prof['step_specache_s'])} ms, full {_ms(prof['step_full_s'])} ms. "
+              f"Passing the stacked state through the layer scan once: SpeCache "
+              f"{_ms(prof['scan_copy_specache_s'])} ms ({_mb(prof['state_bytes_specache'])} MiB), full "
+              f"{_ms(prof['scan_copy_full_s'])} ms ({_mb(prof['state_bytes_full'])} MiB).", "",
+              prof["note"], ""]
+    rows = [[k, _ms(v["per_layer_s"]), _ms(v["x_layers_s"])] for k, v in prof["pieces"].items()]
+    lines += _table(["piece", "ms per layer", "ms × layers"], rows) + [""]
+  elif prof:
+    lines += ["## Profile", "", f"skipped: {prof.get('skipped')}", ""]
+  return "\n".join(lines)
+
+
+def throughput_markdown(result: dict) -> str:
+  meta, cells = result["meta"], result["cells"]
+  lines = ["# Generation throughput: prefill and decode, device/host bytes, fetch overlap", ""] + _machine(meta)
+  lines += [f"- decode: {meta['decode_steps']} greedy steps timed back to back after {meta['warmup']} warm-up "
+            "steps (no host sync between steps); prefill: a compiled run (jitted methods: compiled ahead of "
+            "time; offloaded runtime: the second of two runs); ratios are to "
+            f"`{meta['reference']}` in the same (context, batch) cell", ""]
+  head = ["S", "B", "method", "prefill s", "step ms", "tok/s", "tok/s ratio", "device MiB", "dev ratio",
+          "host MiB", "H2D KiB/step", "D2H KiB/step"]
+  rows = []
+  for c in cells:
+    for label, r in c["methods"].items():
+      if "skipped" in r:
+        rows.append([str(c["context"]), str(c["batch"]), label, f"skipped: {r['skipped']}"] + [""] * 8)
+        continue
+      rows.append([str(c["context"]), str(c["batch"]), label, f"{r['prefill_s']:.2f}",
+                   _ms(r["step_s"]), f"{r['tokens_per_s']:.1f}", _x(r.get("tokens_per_s_ratio")),
+                   _mb(r["device_bytes"]), _x(r.get("device_bytes_ratio")), _mb(r["host_bytes"]),
+                   f"{r['h2d_bytes_per_step'] / 1024:.0f}", f"{r['d2h_bytes_per_step'] / 1024:.0f}"])
+  lines += ["## Sweep", ""] + _table(head, rows) + [""]
+  ov = result.get("overlap")
+  if ov:
+    lines += ["## Overlap of the κ fetch with compute (offloaded, speculative)", ""]
+    if "skipped" in ov:
+      lines += [f"skipped: {ov['skipped']}", ""]
+    else:
+      lines += [f"S={ov['context']}, B={ov['batch']}, store `{ov['store']}`, XLA_FLAGS=`{ov['xla_flags']}`, "
+                f"{ov['rounds']} rounds of {ov['steps']} steps (medians).", "",
+                "(a) compute alone: the offloaded step with every fetch answered by rows already on the device; "
+                "(b) fetch alone: all layers' host gathers + `device_put`, blocked; (c) the pipelined step. "
+                "Fraction hidden = (a + b − c) / b, clipped to [0, 1].", ""]
+      rows = [[k, _ms(ov[k + "_s"])] for k in ("compute_alone", "fetch_alone", "pipelined")]
+      rows.append(["fraction hidden", f"{ov['fraction_hidden']:.2f} (raw {ov['fraction_hidden_raw']:.2f})"])
+      if ov.get("nonspeculative_step_s") is not None:
+        rows.append(["non-speculative step (fetch on the critical path)", _ms(ov["nonspeculative_step_s"])])
+      lines += _table(["quantity", "ms"], rows) + [""]
+  return "\n".join(lines)
+
+
+def dumps(result: Any) -> str:
+  return json.dumps(result, indent=1, default=str) + "\n"

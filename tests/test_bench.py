@@ -1,0 +1,187 @@
+"""The benchmarks end to end on a tiny random model: well-formed results, byte accounting, the prefilled
+states they time, the overlap measurement's range. No timing is asserted."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from configs import caches_bench as caches_cfg
+from configs import throughput as throughput_cfg
+from specache_jax import decode
+from specache_jax.bench import caches, models, overlap, report, states, throughput
+from specache_jax.caches import METHOD_NAMES
+from specache_jax.model.decoder import forward_jit
+
+SMALL = dict(name="specache", bits=1, group_size=8, residual=8, topk=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.load("random:tiny", seed=3)
+
+
+def _methods_available():
+  out = [sj.cache_config("full"), sj.cache_config("kivi", bits=2, group_size=8, residual=16),
+         sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4),
+         sj.cache_config("specache", bits=2, group_size=8, residual=8, topk=4, speculative=False),
+         sj.cache_config("streaming", budget=24), sj.cache_config("h2o", budget=24)]   # 37 tokens: evicts
+  return out
+
+
+@pytest.mark.parametrize("method", _methods_available(), ids=lambda m: repr(m)[:40])
+def test_state_built_from_one_capture_equals_the_decoders_prefill(model, method):
+  cfg, params = model.config, model.params
+  tokens, lengths = caches.random_prompts(5, 2, 37, cfg.vocab_size)
+  lengths = np.asarray([37, 21], np.int32)                                # ragged rows
+  max_len = states.cell_slots(37, 8)
+  first, cap = states.capture(params, cfg, tokens, lengths)
+  built = states.build_cache(cap, jnp.asarray(lengths), cfg=cfg, method=method, max_len=max_len)
+  ref = decode.init_cache(method, cfg, 2, max_len, params["embed"].dtype)
+  logits, ref, _ = forward_jit(params, cfg, jnp.asarray(tokens), ref, method, "prefill",
+                               prompt_lengths=jnp.asarray(lengths), logits_at=jnp.asarray(lengths) - 1)
+  np.testing.assert_array_equal(first, np.argmax(np.asarray(logits[:, 0]), axis=-1))
+  np.testing.assert_array_equal(built.lengths, ref.lengths)
+  for a, b in zip(jax.tree.leaves(built.layers), jax.tree.leaves(ref.layers)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_capture_row_by_row_equals_one_batch(model):
+  cfg, params = model.config, model.params
+  tokens, lengths = caches.random_prompts(6, 2, 24, cfg.vocab_size)
+  f1, c1 = states.capture(params, cfg, tokens, lengths, rows_at_once=1)
+  f2, c2 = states.capture(params, cfg, tokens, lengths, rows_at_once=2)
+  np.testing.assert_array_equal(f1, f2)
+  for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="rows_at_once"):
+    states.capture(params, cfg, tokens, lengths, rows_at_once=3)
+
+
+def _caches_config(**over):
+  c = caches_cfg.get_config("test")
+  c.contexts = [64]
+  c.target_context = 64
+  c.profile_context = 64
+  for k, v in over.items():
+    setattr(c, k, v)
+  return c
+
+
+def test_caches_bench_end_to_end(model):
+  result = caches.run(_caches_config(), model, log=lambda s: None)
+  result = json.loads(report.dumps(result))                               # JSON-serializable
+  assert set(result) >= {"meta", "cells", "target", "profile"}
+  assert [(c["context"], c["batch"]) for c in result["cells"]] == [(64, 1), (64, 2)]
+  labels = ["full", "kivi_2bit", "specache_1bit", "specache_2bit", "streaming", "h2o"]
+  for cell in result["cells"]:
+    assert list(cell["methods"]) == labels
+    for label, rec in cell["methods"].items():
+      assert rec["step"]["median_s"] > 0 and rec["step"]["n"] == 2 and rec["device_bytes"] > 0
+    assert cell["methods"]["full"]["step_ratio"] == 1.0
+    assert cell["methods"]["full"]["device_bytes_ratio"] == 1.0
+    spec = cell["methods"]["specache_1bit"]
+    # simulated SpeCache holds its 16-bit "host" cache on the device too: resident > device bytes
+    assert spec["resident_bytes"] > spec["device_bytes"]
+    assert spec["device_bytes_ratio"] < cell["methods"]["specache_2bit"]["device_bytes_ratio"]
+    for evict in ("streaming", "h2o"):                    # sized to SpeCache 1-bit's bytes (never above)
+      assert 0.9 * spec["device_bytes"] <= cell["methods"][evict]["device_bytes"] <= spec["device_bytes"]
+      assert cell["methods"][evict]["method"]["budget"] >= 1
+  assert set(result["target"]["ratios"]) == {"specache_1bit@batch1", "specache_2bit@batch1",
+                                             "specache_1bit@batch2", "specache_2bit@batch2"}
+  assert result["target"]["met"] in (True, False)
+  pieces = result["profile"]["pieces"]
+  assert {"dequantize", "scatter", "top_k", "store", "fetch", "attention"} <= set(pieces)
+  md = report.caches_markdown(result)
+  assert "| specache_1bit |" in md and "## Target" in md
+
+
+def test_caches_bench_out_of_time_cells_are_recorded_as_skipped(model):
+  result = caches.run(_caches_config(max_seconds=0, profile_context=0), model, log=lambda s: None)
+  for cell in result["cells"]:
+    assert "out of time" in cell["skipped"]
+  assert result["target"]["met"] is None
+  assert "skipped" in report.caches_markdown(result)
+
+
+def test_transfer_formula_matches_the_state_shapes(model):
+  cfg, params = model.config, model.params
+  tokens, lengths = caches.random_prompts(7, 2, 112, cfg.vocab_size)     # the shapes of the other tests
+  for spec in (dict(SMALL),):
+    sim = sj.cache_config(**spec)
+    max_len = states.cell_slots(112, 7)
+    inp, cache = throughput.prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), cfg=cfg,
+                                        method=sim, max_len=max_len)
+    f = throughput.transfer_formula(cfg, sim, 2, params["embed"].dtype)
+    assert f["h2d"] == 2 * spec["topk"] * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers * 2
+    assert throughput.fetched_bytes(cache.layers) == f["h2d"] and f["d2h"] == 0
+    off = sj.cache_config(**spec, offload=True)
+    drv = throughput.RuntimeDriver(model, off, 2, max_len, 112)
+    carry = drv.step(drv.prefill(tokens, lengths))
+    fo = throughput.transfer_formula(cfg, off, 2, params["embed"].dtype)
+    assert throughput.fetched_bytes(drv.rt.states) == fo["h2d"] == f["h2d"]
+    assert fo["d2h"] == sum(s.new_k.nbytes + s.new_v.nbytes for s in drv.rt.states)
+    assert carry[0].shape == (2, 2)
+  assert throughput.transfer_formula(cfg, sj.cache_config("full"), 2, jnp.float32) == {"h2d": 0, "d2h": 0}
+  assert throughput.transfer_formula(cfg, sj.cache_config(**dict(SMALL, topk=6)), 1, jnp.bfloat16)["h2d"] == \
+      2 * 6 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers
+
+
+def test_throughput_end_to_end(model):
+  c = throughput_cfg.get_config("test")
+  c.batches = [2]
+  c.overlap.enabled = False
+  result = json.loads(report.dumps(throughput.run(c, model, log=lambda s: None)))
+  (cell,) = result["cells"]
+  assert list(cell["methods"]) == c.run_methods.split(",")
+  for label, rec in cell["methods"].items():
+    assert rec["prefill_s"] > 0 and rec["step_s"] > 0
+    assert rec["tokens_per_s"] == pytest.approx(2 / rec["step_s"])
+    assert rec["h2d_bytes_per_step"] == rec["formula"]["h2d"]
+  m = cell["methods"]
+  assert m["full"]["tokens_per_s_ratio"] == 1.0 and m["full"]["host_bytes"] == 0
+  assert m["specache_offload"]["mode"] == "offload" and m["specache_sim"]["mode"] == "jit"
+  assert m["specache_offload"]["host_bytes"] == m["specache_sim"]["host_bytes"] > 0
+  assert m["specache_offload"]["device_bytes"] == m["specache_sim"]["device_bytes"]
+  assert m["specache_offload"]["d2h_bytes_per_step"] > 0 == m["specache_sim"]["d2h_bytes_per_step"]
+  assert "| specache_offload |" in report.throughput_markdown(result)
+
+
+def test_overlap_measurement_returns_numbers_in_range(model):
+  method = sj.cache_config(**SMALL, offload=True)
+  out = overlap.measure(model, method, context=128, batch=2, steps=2, rounds=2, warmup=3, margin=16, seed=0)
+  for key in ("compute_alone_s", "fetch_alone_s", "pipelined_s"):
+    assert out[key] > 0 and len(out["rounds_s"][key[:-2]]) == 2
+  assert 0.0 <= out["fraction_hidden"] <= 1.0 and np.isfinite(out["fraction_hidden_raw"])
+  with pytest.raises(ValueError, match="offloaded speculative"):
+    overlap.measure(model, sj.cache_config(**SMALL), 96, 2, 2, 2, 3, 16, 0)
+
+
+def test_resident_store_answers_with_the_rows_already_held(model):
+  method = sj.cache_config(**SMALL, offload=True)
+  tokens, lengths = caches.random_prompts(2, 2, 112, model.config.vocab_size)
+  drv = throughput.RuntimeDriver(model, method, 2, 128, 112)
+  drv.prefill(tokens, lengths)
+  res = overlap.ResidentStore(drv.rt.store, drv.rt)
+  k_rows, v_rows = res.fetch(1, drv.rt.states[1].kappa).result()
+  assert k_rows is drv.rt.states[1].fetched_k and v_rows is drv.rt.states[1].fetched_v
+  assert res.kind == drv.rt.store.kind and res.nbytes == drv.rt.store.nbytes
+
+
+def test_overlap_subprocess_runs_single_threaded_xla():
+  settings = dict(model="random:tiny", dtype="", seed=0, method=dict(SMALL, offload=True), context=64, batch=1,
+                  steps=1, rounds=1, warmup=3, margin=16, nonspeculative=False)
+  out = overlap.run_subprocess(settings, single_thread=True, timeout_s=240)
+  assert "skipped" not in out, out
+  assert overlap.SINGLE_THREAD_XLA in out["xla_flags"]
+  assert 0.0 <= out["fraction_hidden"] <= 1.0
+
+
+def test_bad_settings_fail_clearly(model):
+  with pytest.raises(sj.ConfigError, match="random shape"):
+    models.load("random:nope")
+  with pytest.raises(ValueError, match="context=16 must exceed margin=16"):
+    caches.run(_caches_config(contexts=[16], profile_context=0), model, log=lambda s: None)
+  assert "streaming" in METHOD_NAMES
