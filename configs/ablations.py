@@ -7,6 +7,7 @@ Run (from the repository root):
 """
 import ml_collections
 
+from specache_jax.data import niah
 from specache_jax.experiments_lib import methods
 
 # The paper's SpeCache 1-bit setting; every variant below changes one or two fields of it.
@@ -40,9 +41,10 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.niah = ml_collections.ConfigDict()
   c.niah.lengths = "1024"           # NIAH context lengths (tokens)
   c.niah.depths = "0.25,0.5,0.75"   # NIAH needle depths
-  c.niah.needle = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
-  c.niah.question = "What is the best thing to do in San Francisco?"   # asked after the haystack
-  c.niah.answer = "Dolores Park"    # a correct answer contains this (case-insensitive)
+  c.niah.needle = niah.DEFAULT_NEEDLE     # the hidden sentence
+  c.niah.question = niah.DEFAULT_QUESTION # asked after the haystack
+  c.niah.answer_keywords = "sandwich,Dolores Park"   # an answer is checked for these (any case)
+  c.niah.match = "all"              # "all" keywords must appear, or "any"
   c.niah.max_new_tokens = 24        # greedy answer length
   c.perplexity = ml_collections.ConfigDict()
   c.perplexity.corpus = "austen"    # "austen" or "paul_graham"
@@ -60,12 +62,12 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.output_dir = "results/ablations_gpu"
   elif arg == "test":
     c.model = "tiny-random"
-    c.run_methods = "full,specache_1bit,k0,b2,non_speculative"
-    c.niah.lengths = "160"
+    c.run_methods = "full,k0,non_speculative"
+    c.niah.lengths = "336"
     c.niah.depths = "0.5"
     c.niah.max_new_tokens = 4
-    c.perplexity.window_tokens = 200
+    c.perplexity.window_tokens = 300
     c.perplexity.prefix_tokens = 40
-    c.perplexity.buckets = "0-100,100-200"
+    c.perplexity.buckets = "0-128,128-300"
     c.output_dir = "/tmp/specache_results/ablations"
   return c

@@ -36,5 +36,6 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.num_prompts = 2
     c.context_tokens = 200
     c.max_new_tokens = 24
+    c.run_methods = "specache_1bit"
     c.output_dir = "/tmp/specache_results/hitrate"
   return c

@@ -8,6 +8,7 @@ Override any field, e.g. `--config.lengths=1024 --config.run_methods=full,specac
 """
 import ml_collections
 
+from specache_jax.data import niah
 from specache_jax.experiments_lib import methods
 
 
@@ -19,10 +20,10 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.lengths = "1024,2048"           # context lengths in tokens (haystack + needle + question, chat-formatted)
   c.depths = "0.25,0.5,0.75"        # needle depths: 0 = start of the haystack, 1 = end
-  # The needle, the question asked after the haystack, and the text a correct answer contains.
-  c.needle = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
-  c.question = "What is the best thing to do in San Francisco?"
-  c.answer = "Dolores Park"
+  c.needle = niah.DEFAULT_NEEDLE    # the sentence hidden in the haystack (the original NIAH needle)
+  c.question = niah.DEFAULT_QUESTION   # asked after the haystack
+  c.answer_keywords = "sandwich,Dolores Park"   # comma-separated; an answer is checked for them (any case)
+  c.match = "all"                   # "all": every keyword must appear; "any": one is enough
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
   c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
   # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit (g64, R64, k64), and
@@ -39,7 +40,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.output_dir = "results/niah_gpu"
   elif arg == "test":
     c.model = "tiny-random"
-    c.lengths = "160,224"
+    c.lengths = "324,336"          # both pad to the same shapes: one compile per method
     c.depths = "0.25,0.75"
     c.max_new_tokens = 6
     c.run_methods = "full,kivi_1bit,specache_1bit"

@@ -68,27 +68,37 @@ def test_store_is_atomic_resumable_and_fingerprinted(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- teacher forcing
-@pytest.mark.parametrize("name,settings", [("full", {}), ("specache", dict(bits=1, topk=128))])
+# Shapes and methods as in configs/perplexity.py:test, so the perplexity test reuses these compiles.
+TF_SHAPE, TF_PREFIX = (1, 300), 40
+
+
+def _tokens(seed):
+  return jnp.asarray(np.random.RandomState(seed).randint(1, 128, size=TF_SHAPE), jnp.int32)
+
+
+@pytest.mark.parametrize("name,settings", [("full", {}), ("specache", dict(bits=1, topk=384))])
 def test_teacher_forcing_equals_the_cache_free_forward(tiny, name, settings):
   """Full cache, and SpeCache with k ≥ every position (exact by construction), through the two-row decode
   path token by token, give the cache-free forward's log-likelihoods."""
-  rs = np.random.RandomState(1)
-  toks = jnp.asarray(rs.randint(1, 128, size=(2, 100)), jnp.int32)
+  toks = _tokens(1)
   logp = jax.nn.log_softmax(forward_full(tiny.params, tiny.config, toks), axis=-1)
   ref = -np.asarray(jnp.take_along_axis(logp[:, :-1], toks[:, 1:, None], axis=-1)[..., 0])
   nll, hits = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config(name, **settings),
-                                 prefix=30)
-  np.testing.assert_allclose(np.asarray(nll), ref[:, 29:], atol=1e-4)
-  assert np.asarray(hits).shape == (2,)
+                                 prefix=TF_PREFIX)
+  np.testing.assert_allclose(np.asarray(nll), ref[:, TF_PREFIX - 1:], atol=1e-4)
+  assert np.asarray(hits).shape == (TF_SHAPE[0],)
 
 
 def test_teacher_forcing_low_bit_differs(tiny):
-  rs = np.random.RandomState(2)
-  toks = jnp.asarray(rs.randint(1, 128, size=(1, 200)), jnp.int32)
-  full, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config("full"), prefix=20)
+  toks = _tokens(2)
+  full, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config("full"),
+                               prefix=TF_PREFIX)
   low, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config,
-                              method=sj.cache_config("kivi", bits=1, group_size=64, residual=64), prefix=20)
-  assert np.abs(np.asarray(full) - np.asarray(low))[:, 64:].max() > 1e-2
+                              method=sj.cache_config("kivi", bits=1, group_size=64, residual=128),
+                              prefix=TF_PREFIX)
+  diff = np.abs(np.asarray(full) - np.asarray(low))
+  assert diff[:, :128 - TF_PREFIX].max() < 1e-4        # KIVI's 16-bit residual still holds everything
+  assert diff[:, 256 - TF_PREFIX:].max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------ perplexity
@@ -125,14 +135,14 @@ def test_hitrate_end_to_end(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------------ LongBench
 def test_longbench_on_fixtures_resumes_and_scores(tiny, tmp_path):
-  cfg = _cfg(longbench_cfg, tmp_path, tasks="trec,lcc", stop_after=1, batch_size=1)
+  cfg = _cfg(longbench_cfg, tmp_path, tasks="trec,lcc", stop_after=1, batch_size=2)
   first = longbench.run(cfg, model=tiny, log=lambda *_: None)
-  assert first.computed == 1                                          # stopped after one prediction
+  assert first.computed == 2                                          # stopped after one batch
   cfg.stop_after = 0
   res = longbench.run(cfg, model=tiny, log=lambda *_: None)
   data = lb.read_jsonl_dir(FIXTURES, ["trec", "lcc"])
   total = 2 * sum(len(v) for v in data.values())
-  assert res.computed == total - 1 and res.skipped == 1
+  assert res.computed == total - 2 and res.skipped == 2
   for label in ("full", "specache_1bit"):
     for task, examples in data.items():
       lines = [json.loads(x) for x in (tmp_path / label / f"{task}.jsonl").read_text().splitlines()]
@@ -170,8 +180,10 @@ def test_niah_cases_and_table(tiny, tmp_path):
 
 def test_niah_answer_check_reads_the_needle(tiny, tmp_path):
   cfg = _cfg(niah_cfg, tmp_path)
-  case = niah.build_cases(cfg, tiny.tokenizer, [160], [0.5])[160, 0.5]
-  assert case.check(f"It is to {cfg.answer.lower()}.") and not case.check("I do not know.")
+  case = niah.build_cases(cfg, tiny.tokenizer, [320], [0.5])[320, 0.5]
+  assert case.check("Eat a SANDWICH in dolores park.") and not case.check("Sit in Dolores Park.")
+  assert tiny.tokenizer.decode(case.prompt_ids).startswith("<|im_start|>user\n")
+  assert cfg.needle in tiny.tokenizer.decode(case.prompt_ids)
 
 
 def test_niah_killed_midway_resumes_to_the_uninterrupted_table(tiny, tmp_path):
@@ -218,7 +230,7 @@ def test_ablations_join_niah_and_perplexity(tiny, tmp_path):
   labels = cfg.run_methods.split(",")
   for label in labels:
     row = res.rows[label]
-    assert row["niah_cells"] == 1 and set(row["ppl"]) == {"0–100", "100–200"}
+    assert row["niah_cells"] == 1 and set(row["ppl"]) == {"0–128", "128–300"}
   assert res.rows["k0"]["settings"]["topk"] == 0 and res.rows["non_speculative"]["spec_hit_rate"] is None
   assert (tmp_path / "niah" / "results.json").exists() and (tmp_path / "perplexity" / "results.json").exists()
   lines = res.table.splitlines()

@@ -15,6 +15,8 @@ import time
 import numpy as np
 
 import specache_jax as sj
+from specache_jax.data import corpora
+from specache_jax.data import niah as niah_data
 from specache_jax.experiments_lib import methods, models, report
 from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
 
@@ -29,24 +31,49 @@ class Result:
 
 
 def cell_id(label: str, length: int, depth: float) -> str:
-  return f"{label}/{length}/{depth:g}"
+  """E.g. "specache_1bit/len=1024_depth=0.50": method + length + depth."""
+  return f"{label}/{niah_data.cell_id(length, depth)}"
 
 
 def grid(config) -> tuple[list[int], list[float]]:
   lengths = report.parse_int_list(config.lengths, "lengths")
   depths = report.parse_float_list(config.depths, "depths")
-  bad = [d for d in depths if not 0.0 <= d <= 1.0]
-  if bad:
-    raise ValueError(f"depths={config.depths!r}: {bad} must lie in [0, 1] (0 = start of the haystack)")
+  list(niah_data.grid(lengths, depths))   # validates: positive lengths, depths in [0, 1], no repeats
   return lengths, depths
 
 
-def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], object]:
-  """(length, depth) -> the data module's case (its prompt ids and its answer check)."""
-  from specache_jax.data import niah as niah_data
-  return {(n, d): niah_data.build_case(tokenizer, context_tokens=n, depth=d, needle=config.needle,
-                                       question=config.question, answer=config.answer)
-          for n in lengths for d in depths}
+def needle_spec(config) -> niah_data.NeedleSpec:
+  keywords = tuple(k.strip() for k in config.answer_keywords.split(",") if k.strip())
+  return niah_data.NeedleSpec(needle=config.needle, question=config.question, answer_keywords=keywords,
+                              match=config.match)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  prompt_ids: tuple[int, ...]     # the chat-formatted prompt
+  depth: float                    # the depth used (after the sentence-boundary backoff)
+  spec: niah_data.NeedleSpec
+
+  def check(self, answer: str) -> bool:
+    return niah_data.score(answer, self.spec)
+
+
+def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], Case]:
+  """(length, depth) -> the case: haystack + needle + question as one user turn of the model's chat
+  template, about `length` tokens in all."""
+  spec = needle_spec(config)
+  haystack = corpora.long_text("paul_graham")
+
+  def chat(context: str, question: str) -> str:
+    return tokenizer.chat([{"role": "user", "content": f"{context}\n\nQuestion: {question} "
+                                                       "Answer briefly from the text above."}])
+
+  out = {}
+  for n in lengths:
+    for d in depths:
+      case = niah_data.build_case(tokenizer, haystack, spec, n, d, formatter=chat)
+      out[n, d] = Case(case.prompt_ids, case.depth, spec)
+  return out
 
 
 def run(config, model=None, command: str = "python -m experiments.niah --config=configs/niah.py",
@@ -60,7 +87,8 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   stops = models.stop_ids(model)
   out_dir = pathlib.Path(config.output_dir)
   store = ResultStore(out_dir / "results.json", meta={"experiment": "niah", "command": command})
-  base_fp = (config.model, config.dtype, config.needle, config.question, config.answer, config.max_new_tokens)
+  base_fp = (config.model, config.dtype, config.needle, config.question, config.answer_keywords, config.match,
+             config.max_new_tokens)
   computed = skipped = 0
   groups = [(label, n) for label in labels for n in lengths]
   for label, n in report.progress(groups, desc="niah"):
@@ -83,7 +111,8 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     recs = {}
     for j, d in enumerate(todo):
       answer = models.decode_answer(model.tokenizer, toks[j], int(nums[j]), stops)
-      recs[cell_id(label, n, d)] = dict(info, depth=d, prompt_tokens=len(prompts[j]), answer=answer,
+      recs[cell_id(label, n, d)] = dict(info, depth=d, depth_used=cases[n, d].depth,
+                                        prompt_tokens=len(prompts[j]), answer=answer,
                                         correct=bool(cases[n, d].check(answer)))
     store.put_many(recs, fp)
     computed += len(recs)
@@ -124,7 +153,7 @@ def write_outputs(config, store, labels, lengths, depths, command, seconds) -> s
   intro = [f"Model `{config.model}`; haystack: Paul Graham essays; columns `length@depth` (context tokens @ "
            f"relative needle depth); greedy, at most {config.max_new_tokens} new tokens, stop at EOS.",
            f"Needle: \"{config.needle}\" Question: \"{config.question}\" Correct if the answer contains "
-           f"\"{config.answer}\" (case-insensitive). ✓ found, ✗ missed, · not run yet.",
+           f"{config.match} of \"{config.answer_keywords}\" (case-insensitive). ✓ found, ✗ missed, · not run.",
            "Device MiB: the cache's accelerator bytes for one row at the longest context (StreamingLLM and H2O "
            "are sized to SpeCache 1-bit's bytes at each length).",
            f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
