@@ -78,3 +78,59 @@ def legacy_config(directory: str) -> None:
   cfg["torch_dtype"] = cfg.pop("dtype", "float32")
   with open(path, "w") as f:
     json.dump(cfg, f)
+
+
+_GGUF_NAMES = {  # HF tensor name suffix -> GGUF name (llama.cpp's naming)
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(model, path: str, qtype: str = "F32", arch: str = "llama") -> str:
+  """Write a torch fixture model as a GGUF file the way llama.cpp's converter lays it out: numpy [out, in]
+  matrices, Q/K rows permuted per head for `llama`, no output.weight when tied. Matrices are stored as
+  `qtype` (F32 | F16 | Q8_0), norms and biases as F32. No tokenizer metadata."""
+  import gguf
+  from specache_jax.checkpoints.gguf import permute_qk
+  cfg = model.config
+  w = gguf.GGUFWriter(path, arch)
+  w.add_block_count(cfg.num_hidden_layers)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_attention_heads)
+  w.add_head_count_kv(cfg.num_key_value_heads)
+  w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  w.add_vocab_size(cfg.vocab_size)
+  w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+  w.add_eos_token_id(2)
+  w.add_bos_token_id(1)
+  qt = getattr(gguf.GGMLQuantizationType, qtype)
+  for name, tensor in model.state_dict().items():
+    x = tensor.detach().float().numpy()
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+      continue
+    if name.startswith("model.layers."):
+      _, _, i, suffix = name.split(".", 3)
+      gname = f"blk.{i}.{_GGUF_NAMES[suffix]}"
+      if arch == "llama" and suffix == "self_attn.q_proj.weight":
+        x = permute_qk(x, cfg.num_attention_heads)
+      if arch == "llama" and suffix == "self_attn.k_proj.weight":
+        x = permute_qk(x, cfg.num_key_value_heads)
+    else:
+      gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}[name]
+    if x.ndim == 2 and qtype != "F32":
+      w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
+    else:
+      w.add_tensor(gname, x)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path

@@ -94,8 +94,9 @@ def _open_names(file: str) -> list[str]:
 class TensorReader:
   """Reads tensors by name from safetensors files (one open handle per file), as numpy arrays."""
 
-  def __init__(self, files: dict[str, str]):
+  def __init__(self, files: dict[str, str], root: str = ""):
     self.files = files
+    self.root = root
     self._handles: dict[str, object] = {}
     self.used: set[str] = set()
 
@@ -111,7 +112,8 @@ class TensorReader:
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor `name`, checked to have `shape` (as stored: HF [out, in] for linear weights)."""
     if name not in self.files:
-      raise CheckpointError(f"the checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+      raise CheckpointError(f"the checkpoint {self.root} is missing tensor {name!r} (expected shape "
+                            f"{list(shape)})")
     file = self.files[name]
     handle = self._handle(file)
     try:
@@ -162,7 +164,7 @@ def load_hf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict]:
   """An HF directory -> (ModelConfig, params as jax arrays of `dtype` (float32 | bfloat16 | float16))."""
   resolve_dtype(dtype)
   cfg = read_config(path)
-  reader = TensorReader(weight_files(path))
+  reader = TensorReader(weight_files(path), path)
   params = assemble(cfg, reader.get, LAYER_TENSORS, TOP_TENSORS)
   unused = sorted(n for n in reader.files if n not in reader.used and not IGNORED.match(n)
                   and not (cfg.tie_embeddings and n == "lm_head.weight"))
