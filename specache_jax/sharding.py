@@ -1,0 +1,198 @@
+"""Scale-out on a device mesh: a ("data", "model") mesh and partition specs for params and every cache state.
+
+JAX's SPMD partitioner is the engine: params and the cache carry `NamedSharding`s and jit propagates them; the
+decode loop only pins the cache's layout (`constrain_cache`). The layout is Megatron-style:
+  data   the batch B (tokens, lengths, every cache leaf's B axis);
+  model  attention heads — wq/wk/wv (and their biases) on their output N*H / K*H dim, wo on its input N*H dim —
+         the MLP hidden F (w_gate/w_up output, w_down input), and the KV heads K of every cache leaf.
+SpeCache picks its top-k per KV head, so κ, the low-bit copy, the residual ring, the fetched rows and the
+16-bit host store all shard with the heads: no step of the method crosses the model axis.
+embed, the norms and lm_head stay replicated (the LM head's output is what sampling reads whole).
+Axis letters as in DESIGN.md.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from specache_jax import decode, offload
+from specache_jax.model import decoder
+from specache_jax.model.config import ModelConfig
+from specache_jax.runtime import OffloadRuntime
+
+AXES = ("data", "model")
+
+
+def maybe_initialize_distributed(flag: bool, **kwargs) -> bool:
+  """Multi-host: call `jax.distributed.initialize(**kwargs)` when `flag` (launchers, before any jax op)."""
+  if not flag:
+    return False
+  jax.distributed.initialize(**kwargs)
+  return True
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+  """A (data, model) mesh with Auto axes over the first data*model devices (or the given ones)."""
+  for name, value in (("data", data), ("model", model)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r} must be an integer >= 1 (mesh axis size)")
+  devices = list(jax.devices() if devices is None else devices)
+  need = data * model
+  if len(devices) < need:
+    raise ValueError(f"a mesh of data={data} x model={model} needs {need} devices; only {len(devices)} "
+                     f"are available ({devices[0].platform if devices else 'none'})")
+  return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+                       devices=devices[:need])
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+  """PartitionSpecs with the structure of `model.init.param_shapes(cfg)` (layer leaves lead with L)."""
+  heads_out = P(None, None, "model")          # [L, D, N*H | K*H | F]: output dim by model
+  heads_in = P(None, "model", None)           # [L, N*H | F, D]: input dim by model
+  layers = {"attn_norm": P(None, None), "mlp_norm": P(None, None),
+            "wq": heads_out, "wk": heads_out, "wv": heads_out, "wo": heads_in,
+            "w_gate": heads_out, "w_up": heads_out, "w_down": heads_in}
+  if cfg.qkv_bias:
+    layers.update(bq=P(None, "model"), bk=P(None, "model"), bv=P(None, "model"))
+  specs = {"embed": P(None, None), "layers": layers, "final_norm": P(None)}
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = P(None, None)
+  return specs
+
+
+def _named(mesh: Mesh, specs, memory_kind: str | None = None):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+  return jax.device_put(params, _named(mesh, param_specs(cfg)))
+
+
+def layer_leaf_spec(shape: tuple, n_kv_heads: int | None = None, stacked: bool = True) -> P:
+  """A cache state leaf: [L, B, ...] when `stacked` (the decode loop), [B, ...] per layer (the runtime).
+
+  Per layer, a leaf of rank >= 3 is [B, K, ...] (DESIGN.md's cache layouts: 16-bit K/V, codes, scales, rings,
+  κ, fetched rows, H2O's scores): B on "data", K on "model". Rank 2 is per row and slot, shared by the heads
+  ([B, X], StreamingLLM's positions): B only. Rank 1 is [B]. With `n_kv_heads` given, a rank >= 3 leaf whose
+  K axis has another size is an error, not a silent mis-shard.
+  """
+  lead = (None,) if stacked else ()
+  rank = len(shape) - len(lead)
+  if rank <= 0:
+    return P(*lead)
+  if rank <= 2:
+    return P(*lead, "data", *([None] * (rank - 1)))
+  k = shape[len(lead) + 1]
+  if n_kv_heads is not None and k != n_kv_heads:
+    raise ValueError(f"a cache leaf of shape {tuple(shape)} has {k} on its KV-head axis, not "
+                     f"n_kv_heads={n_kv_heads}: per-layer state leaves must be [B, K, ...] (DESIGN.md)")
+  return P(*lead, "data", "model", *([None] * (rank - 2)))
+
+
+def cache_specs(cache, n_kv_heads: int | None = None):
+  """PartitionSpecs for a `Cache` (layers [L, B, K, ...], lengths [B]) or a bare stacked state."""
+  from specache_jax.caches.base import Cache
+  if isinstance(cache, Cache):
+    return Cache(layers=cache_specs(cache.layers, n_kv_heads), lengths=P("data"))
+  return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads), cache)
+
+
+def layer_state_specs(state, n_kv_heads: int | None = None):
+  """PartitionSpecs for one layer's state (leaves [B, K, ...]) — the offload runtime's per-layer states."""
+  return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads, stacked=False), state)
+
+
+def cache_shardings(cache, mesh: Mesh, n_kv_heads: int | None = None):
+  return _named(mesh, cache_specs(cache, n_kv_heads))
+
+
+def shard_cache(cache, mesh: Mesh, n_kv_heads: int | None = None):
+  return jax.device_put(cache, cache_shardings(cache, mesh, n_kv_heads))
+
+
+def constrain_cache(cache, mesh: Mesh):
+  """Inside jit: pin the cache to its (data, model) layout."""
+  return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
+def shard_batch(mesh: Mesh, tokens_BT, lengths_B):
+  """Tokens [B, T] and lengths [B] with B on "data"."""
+  return (jax.device_put(np.asarray(tokens_BT), NamedSharding(mesh, P("data", None))),
+          jax.device_put(np.asarray(lengths_B), NamedSharding(mesh, P("data"))))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "mesh"))
+def prefill_cache(params, tokens_BT, lengths_B, *, cfg: ModelConfig, method, max_len: int, mesh: Mesh):
+  """The cache after the prompt, laid out on the mesh as `decode.generate_jit` lays it out (memory checks)."""
+  cache = decode.init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype)
+  _, cache, _ = decoder.forward(params, cfg, tokens_BT, constrain_cache(cache, mesh), method, "prefill",
+                                prompt_lengths=lengths_B, logits_at=lengths_B - 1)
+  return constrain_cache(cache, mesh)
+
+
+def per_device_nbytes(tree) -> int:
+  """Bytes the first device holds of a (sharded) pytree: what shrinks as the mesh grows."""
+  return int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)))
+
+
+# ----- the offloaded SpeCache runtime on a mesh -----
+
+class _MeshPlacement:
+  """Host-store placement on a mesh: every block [B, K, ...] on ("data", "model"), row starts [B] on data."""
+
+  def _place(self, mesh):
+    self.mesh = mesh
+    self.device = mesh.devices.flat[0]
+    self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
+    self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
+
+  def _put_host(self, x):
+    spec = layer_leaf_spec(x.shape, stacked=False)
+    return jax.device_put(x, NamedSharding(self.mesh, spec, memory_kind="pinned_host"))
+
+
+class MeshPinnedHostStore(_MeshPlacement, offload.PinnedHostStore):
+  """offload.PinnedHostStore with its pinned_host K/V [B, K, S, H] sharded like the device cache."""
+
+  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
+    self._place(mesh)
+    shape = (batch, n_kv, slots, head_dim)
+    self.k = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+    self.v = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+
+
+class MeshNumpyHostStore(_MeshPlacement, offload.NumpyHostStore):
+  """offload.NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
+
+  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
+    offload.NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0])
+    self._place(mesh)
+
+
+class ShardedOffloadRuntime(OffloadRuntime):
+  """The offload runtime (runtime.py) with params, per-layer states and the host store laid out on a mesh.
+  The per-layer programs are the same; jit propagates the input shardings through them."""
+
+  def __init__(self, params, cfg, method, batch: int, max_len: int, prompt_len: int | None = None,
+               mesh: Mesh | None = None, check_memory: bool = True):
+    if mesh is None:
+      raise ValueError("ShardedOffloadRuntime needs mesh= (sharding.make_mesh)")
+    self.mesh = mesh
+    super().__init__(shard_params(params, cfg, mesh), cfg, method, batch, max_len, prompt_len=prompt_len,
+                     device=mesh.devices.flat[0], check_memory=check_memory)
+
+  def _init(self):
+    st = self.method.impl.init(self.method, self.cfg, self.batch, self.max_len, self.dtype)
+    layers = [jax.tree.map(lambda a, l=l: a[l], st) for l in range(self.cfg.n_layers)]
+    specs = layer_state_specs(layers[0], self.cfg.n_kv_heads)
+    self.states = [jax.device_put(s, _named(self.mesh, specs)) for s in layers]
+    if self.store is not None:
+      self.store.close()
+    kind = offload.resolve_store_kind(self.method.host_store, self.device)
+    cls = MeshPinnedHostStore if kind == "pinned_host" else MeshNumpyHostStore
+    self.store = cls(self.mesh, self.cfg.n_layers, self.batch, self.cfg.n_kv_heads,
+                     self.method.slots(self.max_len), self.cfg.head_dim, self.dtype)
