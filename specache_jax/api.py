@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax import decode
+from specache_jax import decode, guards, validation
 from specache_jax.caches import CacheConfig, cache_config
-from specache_jax.model.config import ConfigError
 from specache_jax.model.decoder import forward_full
 
 
@@ -35,79 +34,79 @@ def pad_prompts(prompts, pad_id: int = 0):
 
 
 def check_tokens(cfg, tokens, lengths, max_new_tokens: int = 0, extra: int = 0) -> None:
-  """Validate a batch before anything is compiled: empty prompts, lengths, vocabulary, context."""
-  if tokens.shape[0] == 0:
-    raise ValueError("the batch is empty: tokens has shape "f"{tokens.shape}")
-  if np.any(lengths <= 0):
-    raise ValueError(f"empty prompt: prompt lengths {lengths.tolist()} must all be >= 1")
-  if np.any(lengths > tokens.shape[1]):
-    raise ValueError(f"lengths {lengths.tolist()} exceed the token array width {tokens.shape[1]}")
-  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-  bad = valid & ((tokens < 0) | (tokens >= cfg.vocab_size))
-  if np.any(bad):
-    r, c = np.argwhere(bad)[0]
-    raise ValueError(f"token id {int(tokens[r, c])} at row {r}, position {c} is outside the vocabulary "
-                     f"[0, {cfg.vocab_size})")
-  need = int(lengths.max()) + max_new_tokens + extra
-  if need > cfg.max_position:
-    raise ValueError(f"prompt length {int(lengths.max())} + max_new_tokens {max_new_tokens}"
-                     f"{f' + {extra}' if extra else ''} = {need} exceeds the model's context "
-                     f"max_position={cfg.max_position}")
+  """Validate a batch before anything is compiled (the rules live in validation.check_tokens)."""
+  validation.check_tokens(cfg, tokens, lengths, max_new_tokens, extra)
 
 
 def forward(model, tokens, lengths=None):
   """Cache-free logits: tokens int32 [B, T] -> float32 [B, T, V]."""
   params, cfg = _model_parts(model)
+  validation.check_prompt_values(tokens)
   toks, lens = pad_prompts(tokens)
   if lengths is not None:
     lens = np.asarray(lengths, np.int32)
-  check_tokens(cfg, toks, lens)
+  validation.check_forward(cfg, params, toks, lens)
   return forward_full(params, cfg, jnp.asarray(toks), jnp.asarray(lens))
 
 
 def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
              cache: CacheConfig | str | None = None, lengths: Sequence[int] | None = None, seed: int = 0,
-             rng=None, stop_tokens: Sequence[int] | None = None, return_stats: bool = False):
+             rng=None, stop_tokens: Sequence[int] | None = None, return_stats: bool = False, mesh=None,
+             check_numerics: bool = False):
   """Generate `max_new_tokens` per row. tokens: int [B, T] or a ragged list of token lists.
 
   cache: a method config (`cache_config(...)`) or a method name; default the 16-bit full cache.
+  mesh: a ("data", "model") `jax.sharding.Mesh` (sharding.make_mesh): batch on data, heads on model.
+  check_numerics: raise guards.NonFiniteError naming the step and layer where logits or cache entries first
+    became NaN/Inf.
   Returns decode.GenerateOutput (tokens [B, max_new_tokens]); with return_stats also a dict of rates.
   """
   params, cfg = _model_parts(model)
   method = cache_config(cache) if isinstance(cache, str) else (cache or cache_config("full"))
-  if not isinstance(method, CacheConfig):
-    raise ConfigError(f"cache={cache!r} must be a cache method config from sj.cache_config(...) or a name")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-  if temperature < 0:
-    raise ValueError(f"temperature={temperature} must be >= 0")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  validation.check_prompt_values(tokens)
   toks, lens = pad_prompts(tokens)
   if lengths is not None:
     lens = np.asarray(lengths, np.int32)
-  check_tokens(cfg, toks, lens, max_new_tokens, method.decode_width - 1)
-  max_len = decode.slots_for(method, int(lens.max()), max_new_tokens)
-  method.validate(cfg, max_len)
   if stop_tokens is None:
     stop_tokens = tuple(cfg.eos_token_ids)
-  tokenizer = getattr(model, "tokenizer", None)
+  max_len = validation.check_generate(cfg, params, method, toks, lens, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, stop_tokens=stop_tokens, mesh=mesh)
   pad_id = int(stop_tokens[0]) if stop_tokens else 0
-  del tokenizer
   if rng is None:
     rng = jax.random.key(seed)
   width = -(-toks.shape[1] // 16) * 16
   toks = np.pad(toks, ((0, 0), (0, width - toks.shape[1])))
   if getattr(method, "offload", False):
-    from specache_jax.runtime import OffloadRuntime
-    runtime = OffloadRuntime(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1])
-    out = runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p,
-                           tuple(int(s) for s in stop_tokens), pad_id)
+    out = _generate_offloaded(params, cfg, method, toks, lens, max_new_tokens, rng, temperature, top_p,
+                              tuple(int(s) for s in stop_tokens), pad_id, max_len, mesh, check_numerics)
     return (out, decode.summarize_stats(out.stats)) if return_stats else out
+  if mesh is not None:
+    from specache_jax import sharding
+    params = sharding.shard_params(params, cfg, mesh)
+    toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
+  else:
+    toks_d, lens_d = jnp.asarray(toks), jnp.asarray(lens)
   out = decode.generate_jit(
-      params, jnp.asarray(toks), jnp.asarray(lens), rng, jnp.float32(temperature), jnp.float32(top_p),
+      params, toks_d, lens_d, rng, jnp.float32(temperature), jnp.float32(top_p),
       cfg=cfg, method=method, max_new_tokens=max_new_tokens, greedy=temperature == 0.0,
-      stop_tokens=tuple(int(s) for s in stop_tokens), max_len=max_len, pad_id=pad_id)
+      stop_tokens=tuple(int(s) for s in stop_tokens), max_len=max_len, pad_id=pad_id, mesh=mesh,
+      check_numerics=check_numerics)
+  if check_numerics:
+    out, record = guards.pop_record(out)
+    guards.raise_if_bad(record, cfg.n_layers)
   if return_stats:
     return out, decode.summarize_stats(jax.device_get(out.stats))
   return out
+
+
+def _generate_offloaded(params, cfg, method, toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens,
+                        pad_id, max_len, mesh, check_numerics):
+  from specache_jax.runtime import OffloadRuntime
+  cls, kwargs = OffloadRuntime, {}
+  if mesh is not None:
+    from specache_jax.sharding import ShardedOffloadRuntime
+    cls, kwargs = ShardedOffloadRuntime, {"mesh": mesh}
+  if check_numerics:
+    cls = type("Guarded" + cls.__name__, (guards.GuardedRuntimeMixin, cls), {})
+  runtime = cls(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1], **kwargs)
+  return runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specache_jax import guards
 from specache_jax.caches.base import Cache, CacheConfig
 from specache_jax.model.config import ModelConfig
 from specache_jax.model.decoder import forward
@@ -57,13 +58,22 @@ def _masked_sum(aux, active_B):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "greedy", "stop_tokens",
-                                             "max_len", "pad_id"))
+                                             "max_len", "pad_id", "mesh", "check_numerics"))
 def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: ModelConfig,
                  method: CacheConfig, max_new_tokens: int, greedy: bool, stop_tokens: tuple, max_len: int,
-                 pad_id: int):
+                 pad_id: int, mesh=None, check_numerics: bool = False):
+  """mesh: a ("data", "model") Mesh to lay the cache out on (sharding.py; params arrive already sharded).
+  check_numerics: carry guards' first-non-finite record, returned as stats[guards.RECORD_KEY]."""
   b = tokens_BT.shape[0]
   dtype = params["embed"].dtype
   cache = init_cache(method, cfg, b, max_len, dtype)
+  if mesh is not None:
+    from specache_jax.sharding import constrain_cache
+    pin = lambda c: constrain_cache(c, mesh)
+  else:
+    pin = lambda c: c
+  cache = pin(cache)
+  record = guards.empty_record()
   stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
 
   def is_stop(tok_B):
@@ -71,10 +81,16 @@ def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: 
 
   logits, cache, _ = forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
                              logits_at=lengths_B - 1)
+  cache = pin(cache)
+  if check_numerics:
+    record = guards.update(record, 0, "prefill", logits, cache.layers)
   rng, sub = jax.random.split(rng)
   first = sample(logits[:, 0], sub, temperature, top_p, greedy)
   if method.uses_predecode:
     logits_p, cache, _ = forward(params, cfg, first[:, None], cache, method, "predecode")
+    cache = pin(cache)
+    if check_numerics:
+      record = guards.update(record, 1, "predecode", logits_p, cache.layers)
     inp = jnp.stack([first, jnp.argmax(logits_p[:, 0], axis=-1).astype(jnp.int32)], axis=1)
   else:
     inp = first[:, None]
@@ -87,13 +103,16 @@ def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: 
   spec0 = jnp.zeros((), jnp.float32)
 
   def cond(carry):
-    i, _, _, _, done, _, _, _, _ = carry
+    i, _, _, _, done, _, _, _, _, _ = carry
     return (i < max_new_tokens) & ~jnp.all(done)
 
   def body(carry):
-    i, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total) = carry
+    i, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total), record = carry
     active = ~done
     logits, cache, aux = forward(params, cfg, inp, cache, method, "decode")
+    cache = pin(cache)
+    if check_numerics:
+      record = guards.update(record, i, "decode", logits, cache.layers)
     rng, sub = jax.random.split(rng)
     nxt = sample(logits[:, 0], sub, temperature, top_p, greedy)
     nxt = jnp.where(done, pad_id, nxt)
@@ -107,13 +126,15 @@ def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: 
     out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
     num = num + active.astype(jnp.int32)
     done = done | is_stop(nxt)
-    return i + 1, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total)
+    return i + 1, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total), record
 
-  carry = (jnp.int32(1), cache, inp, out, done, num, rng, stats0, (spec0, spec0))
-  _, cache, _, out, _, num, _, stats, (spec_hits, spec_total) = jax.lax.while_loop(cond, body, carry)
+  carry = (jnp.int32(1), cache, inp, out, done, num, rng, stats0, (spec0, spec0), record)
+  _, cache, _, out, _, num, _, stats, (spec_hits, spec_total), record = jax.lax.while_loop(cond, body, carry)
   stats = dict(stats)
   stats["spec_token_hits"] = spec_hits
   stats["spec_token_steps"] = spec_total
+  if check_numerics:
+    stats[guards.RECORD_KEY] = record
   return GenerateOutput(tokens=out, num_tokens=num, stats=stats)
 
 
