@@ -16,11 +16,11 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
-  c.contexts = [1024, 4096, 8192]   # cache slots S per cell; the prompt is S - margin tokens
-  c.batches = [1, 4]                # prompt rows per cell (distinct random prompts, prefilled row by row)
+  c.contexts = (1024, 4096, 8192)   # cache slots S per cell; the prompt is S - margin tokens
+  c.batches = (1, 4)                # prompt rows per cell (distinct random prompts, prefilled row by row)
   c.margin = 32                     # slots left free for the timed decode steps (>= warmup + iters + 2)
   c.warmup = 2                      # untimed decode steps (the first compiles)
-  c.iters = 5                       # timed decode steps per method (median reported)
+  c.iters = 7                       # timed rounds: every method runs one step per round (median reported)
   c.seed = 0                        # prompt tokens
   c.methods = methods.standard()    # label -> cache settings (experiments_lib/methods.py)
   c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
@@ -34,16 +34,16 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg == "gpu":
     c.model = "random:llama3.2-1b"
     c.dtype = "bfloat16"
-    c.contexts = [8192, 32768]
-    c.batches = [1, 8]
+    c.contexts = (8192, 32768)
+    c.batches = (1, 8)
     c.target_context = 32768
     c.profile_context = 0
     c.max_seconds = 240
     c.out = "results/caches_gpu"
   elif arg == "test":
     c.model = "random:tiny"
-    c.contexts = [128, 256]
-    c.batches = [1, 2]
+    c.contexts = (128, 256)
+    c.batches = (1, 2)
     c.margin = 16
     c.warmup = 1
     c.iters = 2

@@ -17,11 +17,12 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
-  c.contexts = [1024, 2048]         # cache slots per cell; the prompt is context - margin tokens
-  c.batches = [1, 4]                # distinct random prompts decoded together
-  c.margin = 64                     # slots left for warm-up + timed steps (>= warmup + steps + 3)
+  c.contexts = (1024, 2048)         # cache slots per cell; the prompt is context - margin tokens
+  c.batches = (1, 4)                # distinct random prompts decoded together
+  c.margin = 64                     # slots left for decoding (>= warmup + rounds * steps + 3)
   c.warmup = 3                      # untimed decode steps (the first compiles)
-  c.steps = 16                      # timed decode steps, back to back
+  c.steps = 8                       # decode steps per timed round, back to back
+  c.rounds = 3                      # rounds; every method runs one round in turn (median reported)
   c.seed = 0
   c.methods = dict(                 # label -> cache settings (experiments_lib/methods.py)
       full=dict(name="full"),
@@ -48,9 +49,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg == "gpu":
     c.model = "random:llama3.2-1b"
     c.dtype = "bfloat16"
-    c.contexts = [2048, 8192]       # the jnp prefill's [B, K, G, 1024, S] float32 scores bound S·B here
-    c.batches = [1, 8]
-    c.steps = 32
+    c.contexts = (2048, 8192)       # the jnp prefill's [B, K, G, 1024, S] float32 scores bound S·B here
+    c.batches = (1, 8)
+    c.steps = 16
     c.methods.specache_offload_pallas = dict(SPECACHE, offload=True, attention_impl="pallas")
     c.run_methods += ",specache_offload_pallas"
     c.max_seconds = 150             # gpu_check.sh gives this step 240 s in all
@@ -61,11 +62,12 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.out = "results/throughput_gpu"
   elif arg == "test":
     c.model = "random:tiny"
-    c.contexts = [128]
-    c.batches = [1, 2]
+    c.contexts = (128,)
+    c.batches = (1, 2)
     c.margin = 16
     c.warmup = 3                    # the runtime's first steps recompile its per-layer calls
     c.steps = 3
+    c.rounds = 2
     small = dict(name="specache", bits=1, group_size=8, residual=8, topk=4)
     c.methods = dict(
         full=dict(name="full"),

@@ -55,7 +55,7 @@ fi
 
 # 1. GPU tests: compiled Pallas kernels (they skip on a CPU backend) and the offloaded runtime.
 export SPECACHE_JAX_GPU_TESTS=1
-step tests 150 "$PY" -m pytest -q -x "${PYTEST_MODE[@]}" --junitxml="$OUT/tests.xml" tests/test_kernels_*.py \
+step tests 150 "$PY" -m pytest -q "${PYTEST_MODE[@]}" --junitxml="$OUT/tests.xml" tests/test_kernels_*.py \
     tests/test_offload.py
 
 # 2. Kernel microbenchmark (experiments/kernel_bench.py).

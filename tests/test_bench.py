@@ -62,7 +62,7 @@ def test_capture_row_by_row_equals_one_batch(model):
 
 def _caches_config(**over):
   c = caches_cfg.get_config("test")
-  c.contexts = [64]
+  c.contexts = (64,)
   c.target_context = 64
   c.profile_context = 64
   for k, v in over.items():
@@ -86,6 +86,8 @@ def test_caches_bench_end_to_end(model):
     # simulated SpeCache holds its 16-bit "host" cache on the device too: resident > device bytes
     assert spec["resident_bytes"] > spec["device_bytes"]
     assert spec["device_bytes_ratio"] < cell["methods"]["specache_2bit"]["device_bytes_ratio"]
+    assert spec["device_bytes_16bit"] < spec["device_bytes"]                   # float32 model here
+    assert cell["methods"]["full"]["device_bytes_16bit"] * 2 == cell["methods"]["full"]["device_bytes"]
     for evict in ("streaming", "h2o"):                    # sized to SpeCache 1-bit's bytes (never above)
       assert 0.9 * spec["device_bytes"] <= cell["methods"][evict]["device_bytes"] <= spec["device_bytes"]
       assert cell["methods"][evict]["method"]["budget"] >= 1
@@ -131,7 +133,7 @@ def test_transfer_formula_matches_the_state_shapes(model):
 
 def test_throughput_end_to_end(model):
   c = throughput_cfg.get_config("test")
-  c.batches = [2]
+  c.batches = (2,)
   c.overlap.enabled = False
   result = json.loads(report.dumps(throughput.run(c, model, log=lambda s: None)))
   (cell,) = result["cells"]
@@ -183,5 +185,5 @@ def test_bad_settings_fail_clearly(model):
   with pytest.raises(sj.ConfigError, match="random shape"):
     models.load("random:nope")
   with pytest.raises(ValueError, match="context=16 must exceed margin=16"):
-    caches.run(_caches_config(contexts=[16], profile_context=0), model, log=lambda s: None)
+    caches.run(_caches_config(contexts=(16,), profile_context=0), model, log=lambda s: None)
   assert "streaming" in METHOD_NAMES

@@ -3,7 +3,8 @@ plus each method's device bytes measured on its real state arrays.
 
 A step is the jitted `forward_jit(params, cfg, tokens, cache, method, phase="decode")` (all layers, the LM
 head), timed call by call after warm-up and blocked on the logits and the new cache; the cache is threaded
-through the calls as in a decoding loop. Each (context, batch) cell prefills its prompts once (`states`).
+through the calls as in a decoding loop. Each (context, batch) cell prefills its prompts once (`states`), builds
+every method's state from that, and times the methods in interleaved rounds (robust to a shared machine).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specache_jax.bench import states, timing
+from specache_jax.caches import budget
 from specache_jax.caches.base import tree_nbytes
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model.decoder import forward_jit
@@ -39,17 +42,47 @@ def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -
   return stats
 
 
-def measure_method(params, cfg, method, captured, first_B, lengths_B, max_len, warmup, iters) -> dict:
-  t0 = time.perf_counter()
-  cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=max_len)
-  inp, cache = states.first_decode_input(params, first_B, cache, cfg=cfg, method=method)
-  timing.block(cache)
-  build_s = time.perf_counter() - t0
-  rec = {"method": exp_methods.describe(method), "slots": max_len,
-         "device_bytes": int(method.impl.device_bytes(method, cache.layers)),
-         "resident_bytes": tree_nbytes(cache.layers), "build_s": build_s}
-  rec["step"] = time_decode_step(params, cfg, method, cache, inp, warmup, iters)
-  return rec
+class Stepper:
+  """One method's prefilled cache and decode input; `step()` runs one decode step (the cache is threaded)."""
+
+  def __init__(self, params, cfg, method, captured, first_B, lengths_B, max_len):
+    self.params, self.cfg, self.method = params, cfg, method
+    t0 = time.perf_counter()
+    cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=max_len)
+    self.inp, self.cache = states.first_decode_input(params, first_B, cache, cfg=cfg, method=method)
+    timing.block(self.cache)
+    self.record = {"method": exp_methods.describe(method), "slots": max_len,
+                   "device_bytes": int(method.impl.device_bytes(method, self.cache.layers)),
+                   "resident_bytes": tree_nbytes(self.cache.layers), "build_s": time.perf_counter() - t0}
+
+  def step(self):
+    logits, self.cache, _ = forward_jit(self.params, self.cfg, self.inp, self.cache, self.method, "decode")
+    return logits, self.cache
+
+
+def time_interleaved(steppers: dict[str, Stepper], warmup: int, iters: int) -> None:
+  """Warm each method up (its first call compiles; timed apart), then time `iters` rounds in which every
+  method runs one blocked step, in a rotating order — so a change of machine load hits all methods alike.
+  Writes rec["step"] into each stepper's record."""
+  samples = {label: [] for label in steppers}
+  for label, st in steppers.items():
+    st.record["first_call_s"], _ = timing.timed(st.step)
+    for _ in range(max(warmup - 1, 0)):
+      timing.block(st.step())
+  labels = list(steppers)
+  for i in range(iters):
+    for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+      sec, _ = timing.timed(steppers[label].step)
+      samples[label].append(sec)
+  for label, st in steppers.items():
+    st.record["step"] = timing.summarize(samples[label])
+
+
+def bytes_16bit(config, label: str, cfg, max_len: int, batch: int) -> int:
+  """The method's device bytes with a bfloat16 model (the paper's 16-bit setting), from the state's shapes
+  (eval_shape; nothing allocated) — for runs whose model is float32."""
+  method = exp_methods.build(config, label, cfg, max_len, jnp.bfloat16)
+  return budget.device_bytes_at(method, cfg, max_len, jnp.bfloat16, batch)
 
 
 def _skip(reason: str) -> dict:
@@ -100,20 +133,29 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
     captured = parts[0] if batch == 1 else jax.tree.map(cat, *parts[:batch])
     first = jax.numpy.concatenate(firsts[:batch])
     lens = jax.numpy.asarray(lengths[:batch])
+    max_len = states.cell_slots(prompt_len, steps)
+    steppers = {}
     for label in labels:
       if time.perf_counter() > deadline:
         cell["methods"][label] = _skip("out of time (config.max_seconds)")
         continue
       try:
-        max_len = states.cell_slots(prompt_len, steps)
         method = exp_methods.build(config, label, cfg, max_len, dtype)
-        rec = measure_method(params, cfg, method, captured, first, lens, max_len, config.warmup, config.iters)
+        steppers[label] = Stepper(params, cfg, method, captured, first, lens, max_len)
+        steppers[label].record["device_bytes_16bit"] = bytes_16bit(config, label, cfg, max_len, batch)
+        cell["methods"][label] = steppers[label].record
       except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal
-        rec = _skip(_error_reason(e))
-      cell["methods"][label] = rec
-      step = rec.get("step", {}).get("median_s")
-      log(f"context {context} batch {batch} {label}: "
-          + (f"{step * 1e3:.1f} ms/step" if step else rec.get("skipped", "")))
+        cell["methods"][label] = _skip(_error_reason(e))
+        log(f"context {context} batch {batch} {label}: {cell['methods'][label]['skipped']}")
+    try:
+      time_interleaved(steppers, config.warmup, config.iters)
+    except Exception as e:
+      for label in steppers:
+        cell["methods"][label] = _skip(f"while timing: {_error_reason(e)}")
+    del steppers
+    for label, rec in cell["methods"].items():
+      if "step" in rec:
+        log(f"context {context} batch {batch} {label}: {rec['step']['median_s'] * 1e3:.1f} ms/step")
     _add_ratios(cell, config.reference)
   return cells
 
@@ -125,6 +167,7 @@ def _add_ratios(cell: dict, reference: str) -> None:
       continue
     rec["step_ratio"] = timing.ratio(rec["step"]["median_s"], ref.get("step", {}).get("median_s"))
     rec["device_bytes_ratio"] = timing.ratio(rec["device_bytes"], ref.get("device_bytes"))
+    rec["device_bytes_16bit_ratio"] = timing.ratio(rec["device_bytes_16bit"], ref.get("device_bytes_16bit"))
 
 
 def target_check(cells: list[dict], config) -> dict:

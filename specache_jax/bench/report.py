@@ -37,8 +37,8 @@ def caches_markdown(result: dict) -> str:
   labels = list(meta["methods"])
   lines = ["# Decode step time per cache method", ""] + _machine(meta) + [
       f"- a step = the jitted whole-model `forward_jit(..., phase=\"decode\")` on a prefilled cache, median of "
-      f"{meta['iters']} blocked calls after {meta['warmup']} warm-up calls; ratio = method / "
-      f"`{meta['reference']}` in the same cell", ""]
+      f"{meta['iters']} blocked calls after {meta['warmup']} warm-up calls, the methods of a cell interleaved "
+      f"(one step each per round, rotating order); ratio = method / `{meta['reference']}` in the same cell", ""]
   cols = [c for c in cells]
   head = ["method"] + [f"S={c['context']} B={c['batch']}" for c in cols]
   rows = []
@@ -64,6 +64,17 @@ def caches_markdown(result: dict) -> str:
             "Measured with each method's `device_bytes` on its real state arrays (SpeCache: everything but "
             "the 16-bit cache, which belongs to host memory; in the simulated mode it is a device array read "
             "only through the κ gather).", ""] + _table(head, rows) + [""]
+  rows = []
+  for label in labels:
+    row = [label]
+    for c in cols:
+      rec = c["methods"].get(label, {})
+      row.append(f"{_mb(rec.get('device_bytes_16bit'))} MiB ({_x(rec.get('device_bytes_16bit_ratio'))})"
+                 if "device_bytes_16bit" in rec else "—")
+    rows.append(row)
+  lines += ["## The same with a bfloat16 model (the paper's 16-bit setting), from the state shapes", "",
+            "Each method rebuilt for a bfloat16 model (eviction budgets re-matched) and sized with "
+            "`caches.budget.device_bytes_at` (eval_shape; nothing allocated or timed).", ""] + _table(head, rows) + [""]
   tgt = result.get("target", {})
   verdict = {True: "**met**", False: "**not met**", None: "not measured"}[tgt.get("met")]
   lines += ["## Target", "", f"{tgt.get('rule')}: {verdict} — ratios {json.dumps(tgt.get('ratios'))}", ""]
@@ -85,8 +96,10 @@ def caches_markdown(result: dict) -> str:
 def throughput_markdown(result: dict) -> str:
   meta, cells = result["meta"], result["cells"]
   lines = ["# Generation throughput: prefill and decode, device/host bytes, fetch overlap", ""] + _machine(meta)
-  lines += [f"- decode: {meta['decode_steps']} greedy steps timed back to back after {meta['warmup']} warm-up "
-            "steps (no host sync between steps); prefill: a compiled run (jitted methods: compiled ahead of "
+  lines += [f"- decode: greedy, {meta['warmup']} warm-up steps, then {meta.get('rounds', 1)} rounds of "
+            f"{meta['decode_steps']} steps timed back to back (no host sync between steps), the methods of a "
+            "cell taking turns round by round; step = median over rounds; prefill (+ SpeCache's pre-decoding "
+            "pass): a compiled run (jitted methods: compiled ahead of "
             "time; offloaded runtime: the second of two runs); ratios are to "
             f"`{meta['reference']}` in the same (context, batch) cell", ""]
   head = ["S", "B", "method", "prefill s", "step ms", "tok/s", "tok/s ratio", "device MiB", "dev ratio",

@@ -4,11 +4,13 @@ host bytes, bytes moved per step; ratios to the full cache in the same (context,
 Methods run two ways: the jitted single-program path (`full`, `kivi`, SpeCache simulated: prefill + pre-decoding
 compiled ahead of time, then one jitted decode step per token) and the offloaded runtime (`offload=True`:
 per-layer dispatch, 16-bit cache in host memory). Both decode greedily with the next input computed on the
-device (no host sync between steps), timed over back-to-back steps after warm-up.
+device (no host sync between steps), timed over back-to-back steps after warm-up, the methods of a cell in
+interleaved rounds (so a change of load on a shared machine hits them alike).
 """
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Callable
 
@@ -66,25 +68,39 @@ def fetched_bytes(layer_states) -> int:
   return int(sum(s.fetched_k.nbytes + s.fetched_v.nbytes for s in seq))
 
 
-def jitted_cell(model, method, tokens, lengths, warmup: int, steps: int) -> dict:
-  cfg, params = model.config, model.params
-  max_len = states.cell_slots(tokens.shape[1], warmup + steps + 1)
-  toks, lens = jnp.asarray(tokens), jnp.asarray(lengths)
-  t0 = time.perf_counter()
-  compiled = prefill_jit.lower(params, toks, lens, cfg=cfg, method=method, max_len=max_len).compile()
-  compile_s = time.perf_counter() - t0
-  prefill_s, (inp, cache) = timing.timed(lambda: compiled(params, toks, lens))
-  step = lambda c: decode_step_jit(params, c[0], c[1], cfg=cfg, method=method)
-  step_s, (inp, cache) = timing.time_chain(step, (inp, cache), warmup, steps)
-  layers = cache.layers
-  host = int(method.impl.host_bytes(method, layers)) if hasattr(method.impl, "host_bytes") else 0
-  return {"mode": "jit", "slots": max_len, "prefill_compile_s": compile_s, "prefill_s": prefill_s,
-          "step_s": step_s, "device_bytes": int(method.impl.device_bytes(method, layers)),
-          "host_bytes": host, "resident_bytes": tree_nbytes(layers),
-          "h2d_bytes_per_step": fetched_bytes(layers) if method.name == "specache" else 0,
-          "d2h_bytes_per_step": 0,
-          "note": "SpeCache simulated: the 16-bit cache is a device array (host_bytes counted, not moved)"
-                  if method.name == "specache" else ""}
+class JitRunner:
+  """A jitted-path method in one cell: prefill compiled ahead of time, then greedy decode steps."""
+  mode = "jit"
+
+  def __init__(self, model, method, tokens, lengths, slots: int):
+    self.params, self.cfg, self.method, self.slots = model.params, model.config, method, slots
+    self.toks, self.lens = jnp.asarray(tokens), jnp.asarray(lengths)
+    t0 = time.perf_counter()
+    self.prefill_fn = prefill_jit.lower(self.params, self.toks, self.lens, cfg=self.cfg, method=method,
+                                        max_len=slots).compile()
+    self.record = {"mode": self.mode, "slots": slots, "prefill_compile_s": time.perf_counter() - t0}
+    self.carry = None
+
+  def prefill(self) -> float:
+    sec, self.carry = timing.timed(lambda: self.prefill_fn(self.params, self.toks, self.lens))
+    return sec
+
+  def _step(self, carry):
+    return decode_step_jit(self.params, carry[0], carry[1], cfg=self.cfg, method=self.method)
+
+  def chain(self, n: int, warmup: int = 0) -> float:
+    sec, self.carry = timing.time_chain(self._step, self.carry, warmup, n)
+    return sec
+
+  def finish(self) -> dict:
+    method, layers = self.method, self.carry[1].layers
+    host = int(method.impl.host_bytes(method, layers)) if hasattr(method.impl, "host_bytes") else 0
+    return dict(self.record, device_bytes=int(method.impl.device_bytes(method, layers)), host_bytes=host,
+                resident_bytes=tree_nbytes(layers),
+                h2d_bytes_per_step=fetched_bytes(layers) if method.name == "specache" else 0,
+                d2h_bytes_per_step=0,
+                note="SpeCache simulated: the 16-bit cache is a device array (host_bytes counted, not moved)"
+                     if method.name == "specache" else "")
 
 
 class RuntimeDriver:
@@ -117,36 +133,64 @@ class RuntimeDriver:
     return inp, lengths, fetched, self.rt.states, self.rt.store.arrays()
 
 
-def offload_cell(model, method, tokens, lengths, warmup: int, steps: int) -> dict:
-  max_len = states.cell_slots(tokens.shape[1], warmup + steps + 1)
-  drv = RuntimeDriver(model, method, tokens.shape[0], max_len, tokens.shape[1])
+class OffloadRunner:
+  """An offloaded-runtime method in one cell; prefill runs twice (the first compiles the per-layer calls)."""
+  mode = "offload"
 
-  def prefilled():
-    carry = drv.prefill(tokens, lengths)
-    timing.block(drv.sync(carry))
+  def __init__(self, model, method, tokens, lengths, slots: int):
+    self.model, self.method, self.tokens, self.lengths = model, method, tokens, lengths
+    self.drv = RuntimeDriver(model, method, tokens.shape[0], slots, tokens.shape[1])
+    self.record = {"mode": self.mode, "slots": slots}
+    self.carry = None
+
+  def _prefilled(self):
+    carry = self.drv.prefill(self.tokens, self.lengths)
+    timing.block(self.drv.sync(carry))
     return carry
 
-  first_s, _ = timing.timed(prefilled)                                       # compiles the per-layer calls
-  prefill_s, carry = timing.timed(prefilled)
-  step_s, carry = timing.time_chain(drv.step, carry, warmup, steps, sync=drv.sync)
-  rt = drv.rt
-  return {"mode": "offload", "slots": max_len, "store": rt.store.kind, "prefill_first_s": first_s,
-          "prefill_s": prefill_s, "step_s": step_s, "device_bytes": rt.device_bytes(),
-          "host_bytes": int(rt.store.nbytes),
-          "resident_bytes": int(sum(tree_nbytes(s) for s in rt.states)),
-          "h2d_bytes_per_step": fetched_bytes(rt.states),
-          "d2h_bytes_per_step": transfer_formula(model.config, method, tokens.shape[0],
-                                                 model.params["embed"].dtype)["d2h"],
-          "note": "" if method.speculative else "non-speculative: κ_t chosen and fetched before attention"}
+  def prefill(self) -> float:
+    self.record["prefill_first_s"], _ = timing.timed(self._prefilled)
+    sec, self.carry = timing.timed(self._prefilled)
+    return sec
+
+  def chain(self, n: int, warmup: int = 0) -> float:
+    sec, self.carry = timing.time_chain(self.drv.step, self.carry, warmup, n, sync=self.drv.sync)
+    return sec
+
+  def finish(self) -> dict:
+    rt, method = self.drv.rt, self.method
+    return dict(self.record, store=rt.store.kind, device_bytes=rt.device_bytes(), host_bytes=int(rt.store.nbytes),
+                resident_bytes=int(sum(tree_nbytes(s) for s in rt.states)),
+                h2d_bytes_per_step=fetched_bytes(rt.states),
+                d2h_bytes_per_step=transfer_formula(self.model.config, method, self.tokens.shape[0],
+                                                    self.model.params["embed"].dtype)["d2h"],
+                note="" if method.speculative else "non-speculative: κ_t chosen and fetched before attention")
 
 
-def run_cell(model, method, tokens, lengths, warmup: int, steps: int) -> dict:
-  cell = offload_cell if getattr(method, "offload", False) else jitted_cell
-  rec = cell(model, method, tokens, lengths, warmup, steps)
-  b = tokens.shape[0]
-  rec.update(method=exp_methods.describe(method), tokens_per_s=b / rec["step_s"],
-             formula=transfer_formula(model.config, method, b, model.params["embed"].dtype))
-  return rec
+def make_runner(model, method, tokens, lengths, slots: int):
+  cls = OffloadRunner if getattr(method, "offload", False) else JitRunner
+  return cls(model, method, tokens, lengths, slots)
+
+
+def time_cell(runners: dict, warmup: int, steps: int, rounds: int, batch: int, model) -> dict[str, dict]:
+  """Prefill each method (timed), warm its decoding up, then `rounds` rounds in which every method decodes
+  `steps` steps back to back, in a rotating order; step_s = median over rounds of seconds per step."""
+  out, samples = {}, {label: [] for label in runners}
+  for label, r in runners.items():
+    r.record["prefill_s"] = r.prefill()
+    r.chain(1, warmup=max(warmup - 1, 0))
+  labels = list(runners)
+  for i in range(rounds):
+    for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+      samples[label].append(runners[label].chain(steps))
+  for label, r in runners.items():
+    rec = r.finish()
+    rec["step_s"] = statistics.median(samples[label])
+    rec["rounds_step_s"] = samples[label]
+    rec.update(method=exp_methods.describe(r.method), tokens_per_s=batch / rec["step_s"],
+               formula=transfer_formula(model.config, r.method, batch, model.params["embed"].dtype))
+    out[label] = rec
+  return out
 
 
 def _add_ratios(cell: dict, reference: str) -> None:
@@ -165,7 +209,8 @@ def run(config, model, log: Callable[[str], None] = print) -> dict:
   labels = exp_methods.labels(config)
   meta = {"benchmark": "throughput", "model": model.source, "model_config": model.config.name,
           "dtype": str(model.params["embed"].dtype), "machine_start": timing.machine_info(),
-          "warmup": config.warmup, "decode_steps": config.steps, "reference": config.reference,
+          "warmup": config.warmup, "decode_steps": config.steps, "rounds": config.rounds,
+          "reference": config.reference,
           "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
   cells = []
   dtype = model.params["embed"].dtype
@@ -176,17 +221,24 @@ def run(config, model, log: Callable[[str], None] = print) -> dict:
                                        model.config.vocab_size)
       cell = {"context": int(context), "batch": int(batch), "prompt_len": prompt_len, "methods": {}}
       cells.append(cell)
+      slots = states.cell_slots(prompt_len, config.warmup + config.rounds * config.steps + 1)
+      runners = {}
       for label in labels:
         if time.perf_counter() > deadline:
           cell["methods"][label] = {"skipped": "out of time (config.max_seconds)"}
           continue
         try:
-          slots = states.cell_slots(prompt_len, config.warmup + config.steps + 1)
           method = exp_methods.build(config, label, model.config, slots, dtype)
-          rec = run_cell(model, method, tokens, lengths, config.warmup, config.steps)
+          runners[label] = make_runner(model, method, tokens, lengths, slots)
         except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal
-          rec = {"skipped": _error_reason(e)}
-        cell["methods"][label] = rec
+          cell["methods"][label] = {"skipped": _error_reason(e)}
+      try:
+        cell["methods"].update(time_cell(runners, config.warmup, config.steps, config.rounds, int(batch), model))
+      except Exception as e:
+        cell["methods"].update({label: {"skipped": f"while timing: {_error_reason(e)}"} for label in runners})
+      del runners
+      cell["methods"] = {label: cell["methods"][label] for label in labels}
+      for label, rec in cell["methods"].items():
         log(f"S={context} B={batch} {label}: " + (
             f"prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step, "
             f"{rec['tokens_per_s']:.1f} tok/s" if "step_s" in rec else rec["skipped"]))
