@@ -167,6 +167,11 @@ def test_unsupported_architecture_and_missing_paths(hf, tmp_path):
     json.dump(cfg, f)
   with pytest.raises(ConfigError, match=r"model_type='gpt2'.*not supported"):
     load_hf(str(path))
+  cfg.update(model_type="mistral", hidden_act="gelu")
+  with open(path / "config.json", "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(ConfigError, match=r"hidden_act='gelu'"):
+    load_hf(str(path))
   with pytest.raises(CheckpointError, match="nowhere.*not a directory"):
     load_hf(str(tmp_path / "nowhere"))
   os.remove(path / "config.json")

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
-from specache_jax.model.config import ModelConfig, from_hf_config
+from specache_jax.model.config import ConfigError, ModelConfig, from_hf_config
 from specache_jax.model.init import param_shapes
 
 SINGLE_FILE = "model.safetensors"
@@ -59,6 +59,9 @@ def read_config(path: str) -> ModelConfig:
     raise CheckpointError(f"{path!r} is not a directory; expected an HF checkpoint directory with config.json "
                           f"and {SINGLE_FILE} or {INDEX_FILE}")
   cfg = read_json(os.path.join(path, "config.json"), "the HF model config (config.json)")
+  act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+  if act not in ("silu", "swish"):
+    raise ConfigError(f"hidden_act={act!r} in {path}/config.json is not supported; the MLP is SwiGLU (silu)")
   return from_hf_config(cfg, name=os.path.basename(os.path.normpath(path)))
 
 
