@@ -120,6 +120,9 @@ def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: 
     if method.decode_width == 2:
       spec_hits = spec_hits + jnp.sum((inp[:, 1] == nxt) & active)
       spec_total = spec_total + jnp.sum(active)
+      observe = getattr(method.impl, "observe_speculation", None)
+      if observe is not None:
+        cache = cache.replace(layers=observe(method, cache.layers, inp[:, 1] != nxt))
       inp = jnp.stack([nxt, jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32)], axis=1)
     else:
       inp = nxt[:, None]

@@ -119,15 +119,25 @@ class OffloadRuntime:
       pending.append(self.store.fetch(l, self.states[l].kappa))
     return x, pending
 
-  def step(self, inp_BW, lengths_B, pending):
-    """One decoding step over all layers; returns (x [B, W, D], next pending fetches)."""
+  def step(self, inp_BW, lengths_B, pending, miss_B=None):
+    """One decoding step over all layers; returns (x [B, W, D], next pending fetches).
+
+    miss_B (numpy bool [B], with exact_on_miss): rows whose speculative token was wrong get the real row's own
+    top-k fetched synchronously instead of the prefetched rows."""
     x = _embed(self.params, inp_BW)
     nxt_pending = []
+    exact = self.method.speculative and self.method.exact_on_miss and miss_B is not None and miss_B.any()
     for l, lp in enumerate(self.layer_params):
       st = self.states[l]
       if self.method.speculative:
         k_rows, v_rows = pending[l].result()
         st = st.replace(fetched_k=k_rows, fetched_v=v_rows)
+        if exact:
+          miss = jnp.asarray(miss_B)
+          kappa = jnp.where(miss[:, None, None], _nonspec_kappa(lp, x[:, :1], lengths_B, st, cfg=self.cfg,
+                                                                method=self.method), st.kappa)
+          k_rows, v_rows = self.store.fetch(l, kappa).result()
+          st = st.replace(kappa=kappa, fetched_k=k_rows, fetched_v=v_rows, miss=miss)
       else:
         kappa = _nonspec_kappa(lp, x, lengths_B, st, cfg=self.cfg, method=self.method)
         k_rows, v_rows = self.store.fetch(l, kappa).result()
@@ -161,15 +171,17 @@ class OffloadRuntime:
     done = np.isin(out[0], stops)
     num = np.ones_like(out[0], dtype=np.int32)
     spec_hits = spec_steps = 0
+    miss = None
     for _ in range(1, max_new_tokens):
       if done.all():
         break
-      x, pending = self.step(inp, lengths, pending)
+      x, pending = self.step(inp, lengths, pending, miss)
       rng, sub = jax.random.split(rng)
       nxt, spec = _head_all(self.params, x, sub, temperature, top_p, cfg=self.cfg, greedy=greedy)
       nxt_np = np.where(done, pad_id, np.asarray(nxt))
       if self.method.speculative:
-        spec_hits += int(np.sum((np.asarray(inp[:, 1]) == nxt_np) & ~done))
+        miss = np.asarray(inp[:, 1]) != nxt_np
+        spec_hits += int(np.sum(~miss & ~done))
         spec_steps += int(np.sum(~done))
       num += (~done).astype(np.int32)
       out.append(nxt_np)

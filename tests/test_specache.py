@@ -176,3 +176,18 @@ def test_pallas_interpret_attention_gives_the_same_tokens_as_jnp():
   got = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=(),
                     cache=sj.cache_config("specache", attention_impl="pallas_interpret", **kw))
   np.testing.assert_array_equal(got.tokens, ref.tokens)
+
+
+def test_exact_on_miss_refetches_when_speculation_fails_and_offload_agrees():
+  model = _model()
+  prompts = random_prompts(10, [30, 44], model.config.vocab_size)
+  kw = dict(bits=1, group_size=8, residual=8, topk=4, exact_on_miss=True)
+  sim, stats = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(), return_stats=True,
+                           cache=sj.cache_config("specache", **kw))
+  plain = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                      cache=sj.cache_config("specache", **dict(kw, exact_on_miss=False)))
+  assert stats["exact_hit_rate"] < 1.0                       # random tiny model: speculation misses
+  assert not np.array_equal(sim.tokens, plain.tokens)        # and the exact fetch changes what is attended
+  off = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                    cache=sj.cache_config("specache", offload=True, **kw))
+  np.testing.assert_array_equal(off.tokens, sim.tokens)

@@ -43,6 +43,8 @@ class SpeCacheConfig(CacheConfig):
   offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
   host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
   track_hits: bool = False      # also compute the real query's exact top-k over 16-bit keys (hit rates)
+  exact_on_miss: bool = False   # project extension: when the speculative token was wrong, fetch the real
+                                # token's own top-k synchronously before attention (an "exact" fetch)
   attention_impl: str = "jnp"   # jnp | pallas | pallas_interpret (pallas_kernels/mixed_decode_attention)
 
   def __post_init__(self):
@@ -103,6 +105,7 @@ class State:
   fetched_v: jax.Array     # [B, K, X, H]
   new_k: jax.Array         # [B, K, 1, H] the real row stored by the last call (the runtime copies it to host)
   new_v: jax.Array         # [B, K, 1, H]
+  miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
 
 
 def init(cfg: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
@@ -114,7 +117,8 @@ def init(cfg: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       k16=jnp.zeros(host, dtype), v16=jnp.zeros(host, dtype),
       kappa=jnp.zeros((batch, k, x), jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
-      new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype))
+      new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype),
+      miss=jnp.zeros((batch,), bool))
   return stack_layers(model_cfg.n_layers, st)
 
 
@@ -233,13 +237,29 @@ def attend(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
     # the ablation: κ_t from the real row's own low-bit attention, fetched before attention (synchronous);
     # offloaded, the runtime calls choose_nonspeculative and fetches before calling attend.
     st = fetch_simulated(st, choose_nonspeculative(cfg, st, q, k_new, v_new, lengths))
-  aux = _hit_stats(cfg, st, q, lengths, st.kappa)
+  aux = {}
+  if cfg.exact_on_miss and cfg.speculative:
+    if not cfg.offload:   # offloaded, the runtime does the synchronous fetch for the rows that missed
+      kappa_real = choose_nonspeculative(cfg, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths)
+      exact = fetch_simulated(st, kappa_real)
+      pick = lambda a, b: jnp.where(st.miss.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+      st = st.replace(kappa=pick(exact.kappa, st.kappa), fetched_k=pick(exact.fetched_k, st.fetched_k),
+                      fetched_v=pick(exact.fetched_v, st.fetched_v))
+    aux["exact_fetches"] = st.miss.astype(jnp.float32)
+  aux.update(_hit_stats(cfg, st, q, lengths, st.kappa))
   out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=True)
   st = store(cfg, st, kn[:, :, 0], vn[:, :, 0], lengths)
   if cfg.speculative:
     kappa_next = select(cfg, probs, lengths + 1)                            # candidates 0..n (T_t included)
     st = fetch_simulated(st, kappa_next) if not cfg.offload else st.replace(kappa=kappa_next)
   return out, st, aux
+
+
+def observe_speculation(cfg: SpeCacheConfig, st: State, miss_B) -> State:
+  """Decode-loop hook: record, before the next step, which rows' speculative token was wrong."""
+  if not cfg.exact_on_miss:
+    return st
+  return st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
 
 
 def choose_nonspeculative(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
