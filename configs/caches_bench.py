@@ -29,7 +29,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.target_ratio = 1.5
   c.profile_context = 8192          # 0: no profile; else break the SpeCache step down at this context
   c.profile_method = "specache_1bit"
-  c.max_seconds = 3000              # cells not started by then are recorded as skipped (with the reason)
+  c.max_seconds = 4800              # cells not started by then are recorded as skipped (with the reason)
+  c.max_prefill_s = 900             # per context: once prompt prefills took this long, further rows repeat
   c.out = "results/caches_cpu"      # writes <out>.json and <out>.md
   if arg == "gpu":
     c.model = "random:llama3.2-1b"
@@ -39,6 +40,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.target_context = 32768
     c.profile_context = 0
     c.max_seconds = 240
+    c.max_prefill_s = 60
     c.out = "results/caches_gpu"
   elif arg == "test":
     c.model = "random:tiny"
@@ -58,5 +60,6 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.target_context = 256
     c.profile_context = 256
     c.max_seconds = 300
+    c.max_prefill_s = 120
     c.out = "/tmp/specache_results/caches_test"
   return c

@@ -71,10 +71,12 @@ def _caches_config(**over):
 
 
 def test_caches_bench_end_to_end(model):
-  result = caches.run(_caches_config(), model, log=lambda s: None)
+  result = caches.run(_caches_config(max_prefill_s=0), model, log=lambda s: None)  # batch 2 repeats row 0
   result = json.loads(report.dumps(result))                               # JSON-serializable
   assert set(result) >= {"meta", "cells", "target", "profile"}
   assert [(c["context"], c["batch"]) for c in result["cells"]] == [(64, 1), (64, 2)]
+  assert [c["distinct_prompt_rows"] for c in result["cells"]] == [1, 1]
+  assert "note" not in result["cells"][0] and "rows repeat" in result["cells"][1]["note"]
   labels = ["full", "kivi_2bit", "specache_1bit", "specache_2bit", "streaming", "h2o"]
   for cell in result["cells"]:
     assert list(cell["methods"]) == labels

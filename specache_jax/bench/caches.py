@@ -95,8 +95,9 @@ def _error_reason(e: Exception) -> str:
 
 def run_context(config, model, context: int, deadline: float, log: Callable[[str], None],
                 keep: dict | None = None) -> list[dict]:
-  """All (batch, method) cells of one context length; prompts prefilled row by row, once. `keep`, if
-  given, receives keep[context] = (first [1], Captured, lengths [1]) of row 0 (reused by the profile)."""
+  """All (batch, method) cells of one context length; prompts prefilled row by row, once, as the cells need
+  them (smallest batch first). `keep`, if given, receives keep[context] = (first [1], Captured, lengths [1])
+  of row 0 (reused by the profile)."""
   cfg, params = model.config, model.params
   dtype = params["embed"].dtype
   labels = exp_methods.labels(config)
@@ -107,32 +108,37 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
   batches = sorted(int(b) for b in config.batches)
   tokens, lengths = random_prompts(config.seed + context, batches[-1], prompt_len, cfg.vocab_size)
   firsts, parts, row_s = [], [], []
-  for row in range(batches[-1]):
-    est = max(row_s) if row_s else 0.0
-    if time.perf_counter() + est > deadline:
-      break
-    t0 = time.perf_counter()
-    first, cap = states.capture(params, cfg, tokens[row:row + 1], lengths[row:row + 1])
-    timing.block(cap)
-    row_s.append(time.perf_counter() - t0)
-    firsts.append(first)
-    parts.append(cap)
-    log(f"context {context}: prefilled row {row} in {row_s[-1]:.1f} s")
-  if keep is not None and parts:
-    keep[context] = (firsts[0], parts[0], jax.numpy.asarray(lengths[:1]))
   cells = []
-  for batch in batches:
+  for batch in batches:                       # ascending: the batch-1 cell runs before more rows are prefilled
+    while len(parts) < batch:
+      est = max(row_s) if row_s else 0.0
+      if parts and (time.perf_counter() + est > deadline or sum(row_s) + est > config.max_prefill_s):
+        break
+      t0 = time.perf_counter()
+      first, cap = states.capture(params, cfg, tokens[len(parts):len(parts) + 1],
+                                  lengths[len(parts):len(parts) + 1])
+      timing.block(cap)
+      row_s.append(time.perf_counter() - t0)
+      firsts.append(first)
+      parts.append(cap)
+      log(f"context {context}: prefilled row {len(parts) - 1} in {row_s[-1]:.1f} s")
+      if keep is not None and len(parts) == 1:
+        keep[context] = (firsts[0], parts[0], jax.numpy.asarray(lengths[:1]))
     cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
-            "prefill_s_per_row": row_s, "methods": {}}
+            "prefill_s_per_row": list(row_s), "distinct_prompt_rows": min(len(parts), batch), "methods": {}}
     cells.append(cell)
-    if len(parts) < batch:
-      cell["skipped"] = (f"out of time: {len(parts)} of {batch} prompt rows prefilled "
-                         f"({row_s[0] if row_s else float('nan'):.0f} s per row) before the deadline")
+    if time.perf_counter() > deadline:
+      cell["skipped"] = "out of time (config.max_seconds)"
       continue
+    if len(parts) < batch:                    # out of prefill time: reuse the rows prefilled (recorded)
+      cell["note"] = (f"only {len(parts)} distinct prompt rows prefilled within max_prefill_s="
+                      f"{config.max_prefill_s} ({row_s[0]:.0f} s per row); rows repeat cyclically")
+      log(f"context {context} batch {batch}: {cell['note']}")
+    rows = [i % len(parts) for i in range(batch)]
     cat = lambda *xs: jax.numpy.concatenate(xs, axis=1)
-    captured = parts[0] if batch == 1 else jax.tree.map(cat, *parts[:batch])
-    first = jax.numpy.concatenate(firsts[:batch])
-    lens = jax.numpy.asarray(lengths[:batch])
+    captured = parts[0] if batch == 1 else jax.tree.map(cat, *[parts[i] for i in rows])
+    first = jax.numpy.concatenate([firsts[i] for i in rows])
+    lens = jax.numpy.asarray(lengths[:batch])                              # all rows have prompt_len tokens
     max_len = states.cell_slots(prompt_len, steps)
     steppers = {}
     for label in labels:
