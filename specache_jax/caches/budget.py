@@ -1,0 +1,70 @@
+"""Size an eviction baseline (StreamingLLM, H2O) to the device bytes of another method (e.g. SpeCache).
+
+Bytes are read from the state's shapes (`jax.eval_shape` of `init`, nothing allocated) through each method's
+own `device_bytes` (SpeCache's leaves out its 16-bit host arrays k16/v16; the eviction methods count
+everything: k, v and their per-slot bookkeeping pos (and H2O's score)).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from specache_jax.caches import cache_config
+from specache_jax.caches.base import CacheConfig
+from specache_jax.model.config import ConfigError, ModelConfig
+
+EVICTION_METHODS = ("streaming", "h2o")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sized:
+  """A stand-in leaf with an array's shape, dtype and nbytes (what `device_bytes` reads), no buffer."""
+  shape: tuple
+  dtype: np.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def device_bytes_at(cfg: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
+  """The method's accelerator bytes for `batch` rows of `max_len` tokens, from eval_shape (no allocation)."""
+  shapes = jax.eval_shape(lambda: cfg.impl.init(cfg, model_cfg, batch, max_len, dtype))
+  sized = jax.tree.map(lambda s: _Sized(tuple(s.shape), np.dtype(s.dtype)), shapes)
+  return int(cfg.impl.device_bytes(cfg, sized))
+
+
+def _smallest_budget(method_name: str, settings: dict) -> int:
+  if method_name == "streaming":
+    return settings.get("sink", 4) + 1
+  recent = settings.get("recent")
+  return 1 if recent is None else recent
+
+
+def matched_budget(method_name: str, reference_cfg: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype,
+                   **settings) -> CacheConfig:
+  """The `method_name` config (other settings as given) with the largest budget whose device bytes at
+  `max_len` (batch 1) do not exceed `reference_cfg`'s: bytes <= reference < bytes with one slot more."""
+  if method_name not in EVICTION_METHODS:
+    raise ConfigError(f"method_name={method_name!r} must be one of {EVICTION_METHODS} (a budget-sized method)")
+  if "budget" in settings:
+    raise ConfigError(f"budget={settings['budget']!r} is what matched_budget computes; do not pass it")
+  target = device_bytes_at(reference_cfg, model_cfg, max_len, dtype)
+
+  def bytes_for(budget: int) -> int:
+    return device_bytes_at(cache_config(method_name, budget=budget, **settings), model_cfg, max_len, dtype)
+
+  lo = _smallest_budget(method_name, settings)
+  base, per_slot = bytes_for(lo), bytes_for(lo + 1) - bytes_for(lo)      # bytes are affine in the budget
+  if base > target:
+    raise ConfigError(f"{reference_cfg.name} uses {target} device bytes at max_len={max_len}, less than "
+                      f"{method_name} with its smallest budget={lo} ({base} bytes)")
+  budget = lo + (target - base) // per_slot
+  method = cache_config(method_name, budget=budget, **settings)
+  got = device_bytes_at(method, model_cfg, max_len, dtype)
+  if not got <= target < got + per_slot:
+    raise AssertionError(f"matched budget={budget} gives {got} bytes for a target of {target} "
+                         f"({per_slot} bytes per slot): the bytes are not affine in the budget")
+  return method
