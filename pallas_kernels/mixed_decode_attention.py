@@ -86,13 +86,14 @@ def _last_row(logits, t_rows: int):
 def mixed_decode_attention_kernel(
     q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, len_ref, excl_ref, ek_ref, ev_ref, em_ref,
     o_ref, m_ref, l_ref, low_ref, extra_ref, *, bits: int, group_size: int, sm_scale: float,
-    t_rows: int, n_slots: int, n_extra: int, block_s: int, dot_dtype):
+    t_rows: int, n_heads: int, n_slots: int, n_extra: int, block_s: int, dot_dtype):
   """One (b, k, split) program.
 
   q_ref [R, H]; kc_ref/vc_ref [L, C] uint8 (L = this split's slots); ks_ref/kz_ref [L/g, H];
   vs_ref/vz_ref [L, H/g]; len_ref []; excl_ref [Xp] int32 (-1 = none); ek_ref/ev_ref [Ep, H];
   em_ref [T, Ep] int32. Outputs: o_ref [R, H], m_ref/l_ref [R] (unnormalised, this split only),
-  low_ref [Gp, L] last-row logits, extra_ref [Gp, Ep] last-row extra logits (written by split 0).
+  low_ref [Gp, L] last-row logits, extra_ref [Gp, Ep] last-row extra logits (written by split 0); only
+  their first n_heads = G rows exist in HBM (masked stores).
   """
   split_len, n_bytes = kc_ref.shape
   r, head_dim = q_ref.shape
@@ -105,6 +106,7 @@ def mixed_decode_attention_kernel(
   length = jnp.minimum(len_ref[()], n_slots)
   q = q_ref[...]
   excl = excl_ref[...]
+  head_ok = jnp.arange(gp) < n_heads                                            # [Gp] real query heads
 
   def body(i, carry):
     start = i * block_s
@@ -121,7 +123,8 @@ def mixed_decode_attention_kernel(
                                        group_size)                              # [block_s, H]
     logits = _common.dot_nt(q, k_hat, dot_dtype) * sm_scale                     # [R, block_s]
     logits = jnp.where(ok[None, :], logits, -jnp.inf)
-    low_ref[:, pl.ds(start, block_s)] = _last_row(logits, t_rows)
+    plgpu.store(low_ref.at[:, pl.ds(start, block_s)], _last_row(logits, t_rows),
+                mask=jnp.broadcast_to(head_ok[:, None], (gp, block_s)))
 
     vmask = jnp.broadcast_to(ok[:, None], (block_s, n_vgroups))
     v_codes = plgpu.load(vc_ref.at[pl.ds(start, block_s), :],
@@ -148,11 +151,12 @@ def mixed_decode_attention_kernel(
   extra_v = plgpu.load(ev_ref, mask=umask, other=0.0)
   logits_e = _common.dot_nt(q, extra_k, dot_dtype) * sm_scale                    # [R, Ep]
   logits_e = jnp.where(row_mask, logits_e, -jnp.inf)
-  o, m, l = _online_update(carry, logits_e, extra_v.astype(jnp.float32), dot_dtype)
+  o, m, l = _online_update(carry, logits_e, extra_v, dot_dtype)
 
   @pl.when(first)
   def _():
-    extra_ref[...] = _last_row(logits_e, t_rows)
+    plgpu.store(extra_ref, _last_row(logits_e, t_rows),
+                mask=jnp.broadcast_to(head_ok[:, None], (gp, ep)))
 
   o_ref[...] = o
   m_ref[...] = m
@@ -226,7 +230,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   excl = jnp.pad(exclude.astype(jnp.int32), ((0, 0), (0, 0), (0, xp - x)), constant_values=-1)
   kernel = functools.partial(
       mixed_decode_attention_kernel, bits=bits, group_size=group_size, sm_scale=float(sm_scale),
-      t_rows=t, n_slots=s, n_extra=e, block_s=block.block_s, dot_dtype=_dot_dtype(q.dtype))
+      t_rows=t, n_heads=g, n_slots=s, n_extra=e, block_s=block.block_s, dot_dtype=_dot_dtype(q.dtype))
   per_bk = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k) + (0,) * len(shape))
   per_split = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k, j, 0))
   f32 = jnp.float32
@@ -255,8 +259,8 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
           jax.ShapeDtypeStruct((b, kh, n_splits, r, h), f32),                  # o, unnormalised
           jax.ShapeDtypeStruct((b, kh, n_splits, r), f32),                     # running max
           jax.ShapeDtypeStruct((b, kh, n_splits, r), f32),                     # running sum
-          jax.ShapeDtypeStruct((b, kh, gp, n_splits * split_len), f32),        # last-row low logits
-          jax.ShapeDtypeStruct((b, kh, gp, ep), f32),                          # last-row extra logits
+          jax.ShapeDtypeStruct((b, kh, g, n_splits * split_len), f32),         # last-row low logits
+          jax.ShapeDtypeStruct((b, kh, g, ep), f32),                           # last-row extra logits
       ],
       compiler_params=_common.triton_params(block.num_warps, block.num_stages),
       interpret=interpret,
@@ -281,9 +285,9 @@ def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, 
   m_last = m_safe.reshape(b, kh, gp, t)[:, :, :g, t - 1]                        # [B, K, G]
   inv_last = inv_l.reshape(b, kh, gp, t)[:, :, :g, t - 1]
   valid = jnp.arange(s)[None, None, None, :] < lowbit_len[:, None, None, None]  # [B, 1, 1, S]
-  p_low = jnp.exp(low_logits[:, :, :g, :s] - m_last[..., None]) * inv_last[..., None]
+  p_low = jnp.exp(low_logits[:, :, :, :s] - m_last[..., None]) * inv_last[..., None]
   p_low = jnp.where(valid, p_low, 0.0)                                          # unvisited blocks
-  p_extra = jnp.exp(extra_logits[:, :, :g, :e] - m_last[..., None]) * inv_last[..., None]
+  p_extra = jnp.exp(extra_logits[:, :, :, :e] - m_last[..., None]) * inv_last[..., None]
   return out, jnp.mean(p_low, axis=2), jnp.mean(p_extra, axis=2)
 
 

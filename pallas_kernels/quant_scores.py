@@ -4,9 +4,12 @@ logits[b, k, g, t, s] = sm_scale · q[b, t, k, g, :] · k̂[b, k, s, :], with
 k̂[s, h] = code[s, h] · scale[s // g, h] + zero[s // g, h], and -inf for s >= lengths[b].
 
 GPU backend: Triton (`jax.experimental.pallas.triton.CompilerParams`). Mosaic GPU, Pallas' default on
-Hopper, rejects pointwise ops on 8-bit types and wants 128-multiple shapes; unpacking 1/2/4-bit codes needs
-shifts and masks on bytes and decode shapes are small (T·G query rows, H = 64). The Triton lowering takes
-the int32-upcast unpacking, masked loads for ragged lengths and small power-of-two tiles. Triton needs
+Hopper, rejects pointwise ops on 8-bit types and wants 128-multiple shapes and warpgroup-sized copies;
+unpacking 1/2/4-bit codes needs shifts and masks on bytes, and decode tiles are small (T·G query rows,
+H = 64, a few bytes of scales per row). This kernel without Triton params fails to lower for CUDA in jax
+0.10.2 ("Only copies transferring a number of bytes divisible by the warpgroup size are supported"). The
+Triton lowering takes the int32-upcast unpacking, masked loads for ragged lengths and small power-of-two
+tiles, and `tests/test_kernels_lowering.py` checks that both kernels lower through it. Triton needs
 power-of-two tiles: H, group_size and block_s must be powers of two (validated), and the G·T query rows of a
 KV head are padded with zero rows to a power of two >= 16 (a tl.dot operand) before the call.
 
@@ -52,7 +55,7 @@ def quant_scores_kernel(q_ref, codes_ref, scale_ref, zero_ref, len_ref, out_ref,
   n_groups, head_dim = scale_ref.shape
   r = q_ref.shape[0]
   j = pl.program_id(2)
-  length = len_ref[()]
+  length = jnp.minimum(len_ref[()], n_slots)
   slots = j * block_s + jnp.arange(block_s)                                     # [block_s]
   valid = slots < length
   groups = j * n_groups + jnp.arange(n_groups)                                  # [block_s/g]
