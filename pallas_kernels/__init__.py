@@ -1,16 +1,13 @@
 """Pallas kernels for the low-bit path: packed-key scoring and fused mixed-precision decode attention.
 
-Both target the Triton GPU backend (see `quant_scores.py` for why not Mosaic GPU) and run on the CPU in
-interpret mode. Each op has a float32 jnp `*_reference` with the same signature.
+  from pallas_kernels.quant_scores import quant_scores                      # + QuantScoresBlock, *_reference
+  from pallas_kernels.mixed_decode_attention import mixed_decode_attention  # + MixedAttentionBlock, *_reference
+
+Both target the Triton GPU backend (`quant_scores.py` says why not Mosaic GPU) and run on the CPU in
+interpret mode. Each op has a float32 jnp `*_reference` with the same signature. The functions are not
+re-exported here: their names equal their modules' names.
 """
 import jax
-
-from pallas_kernels.mixed_decode_attention import MixedAttentionBlock
-from pallas_kernels.mixed_decode_attention import mixed_decode_attention
-from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
-from pallas_kernels.quant_scores import QuantScoresBlock
-from pallas_kernels.quant_scores import quant_scores
-from pallas_kernels.quant_scores import quant_scores_reference
 
 # How attention over the low-bit cache is computed: plain jnp, the Pallas kernels compiled for the GPU,
 # or the same kernels in Pallas interpret mode (any backend, slow; for tests).
