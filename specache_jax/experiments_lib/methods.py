@@ -9,11 +9,7 @@ reference's device bytes grow with the context.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
-
-import jax
-import numpy as np
 
 from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
@@ -54,16 +50,13 @@ def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype) -> Ca
     raise ConfigError(f"config.methods.{label}.match={match!r} cannot match itself")
   ref = build(config, match, model_cfg, max_len, dtype)
   from specache_jax.caches.budget import matched_budget
-  method = matched_budget(name, ref, model_cfg, max_len, dtype)
-  return dataclasses.replace(method, **spec) if spec else method
+  return matched_budget(name, ref, model_cfg, max_len, dtype, **spec)
 
 
 def device_bytes(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
-  """Accelerator bytes of the method's state for `batch` rows of `max_len` tokens (nothing is computed:
-  the state's shapes come from `jax.eval_shape`, its buffers are untouched `np.empty` arrays)."""
-  shapes = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
-  state = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
-  return int(method.impl.device_bytes(method, state))
+  """Accelerator bytes of the method's state for `batch` rows of `max_len` tokens (from shapes only)."""
+  from specache_jax.caches.budget import device_bytes_at
+  return device_bytes_at(method, model_cfg, max_len, dtype, batch)
 
 
 def describe(method: CacheConfig) -> dict[str, Any]:
