@@ -1,7 +1,8 @@
 """Perplexity by position bucket, teacher-forced token by token through each cache method.
 
 Run (from the repository root):
-  python -m experiments.perplexity --config=configs/perplexity.py          # "cpu": SmolLM2-135M, this CPU
+  python -m experiments.perplexity --config=configs/perplexity.py          # "cpu": SmolLM2-135M, 2k tokens
+  python -m experiments.perplexity --config=configs/perplexity.py:long     # SmolLM2, 8k tokens (hours on CPU)
   python -m experiments.perplexity --config=configs/perplexity.py:gpu --config.model=/path/to/Meta-Llama-3-8B-Instruct
   python -m experiments.perplexity --config=configs/perplexity.py:test     # random tiny model, seconds
 Override any field from the command line, e.g. `--config.run_methods=full,specache_1bit`.
@@ -12,25 +13,36 @@ from specache_jax.experiments_lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
-  if arg not in ("cpu", "gpu", "test"):
-    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
+  if arg not in ("cpu", "long", "gpu", "test"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, long, gpu, test")
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"          # registered name, .gguf file, HF or orbax directory, or "tiny-random"
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.corpus = "austen"               # long text: "austen" (six novels, data/austen) or "paul_graham" (essays)
   c.num_windows = 1                 # windows of consecutive tokens, decoded together as one batch
+  # CPU: 2k tokens (~90 ms per teacher-forced step for SmolLM2 here, ~2.5 min per method); the 4k–8k
+  # bucket needs the "long" (roughly 20–40 min per method on this CPU) or the "gpu" variant.
   c.window_tokens = 2048            # tokens per window (positions 0 .. window_tokens-1)
-  c.prefix_tokens = 256             # prefilled at once; every later token goes through the cache's decode path
-  c.buckets = "0-1024,1024-4096,4096-8192"   # position buckets [lo, hi) for the table
+  c.prefix_tokens = 512             # prefilled at once; every later token goes through the cache's decode path
+  c.buckets = "0-1024,1024-2048"    # position buckets [lo, hi) for the table
   c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
-  c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,kivi_2bit,streaming,h2o"  # labels run, in order
+  c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
   c.output_dir = "results/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
-  if arg == "gpu":
+  if arg == "long":                 # SmolLM2's whole 8k context on this CPU: 20–40 min per method
+    c.window_tokens = 8192
+    c.prefix_tokens = 256
+    c.buckets = "0-1024,1024-4096,4096-8192"
+    c.run_methods = "full,specache_1bit,specache_2bit"
+    c.output_dir = "results/perplexity_8k"
+  elif arg == "gpu":
     c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint (HF directory or .gguf)
     c.dtype = "bfloat16"
     c.num_windows = 8
     c.window_tokens = 8192
+    c.prefix_tokens = 256
+    c.buckets = "0-1024,1024-4096,4096-8192"
+    c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,kivi_2bit,streaming,h2o"
     c.output_dir = "results/perplexity_gpu"
   elif arg == "test":
     c.model = "tiny-random"

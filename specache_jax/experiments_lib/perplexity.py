@@ -173,7 +173,8 @@ def write_outputs(config, store, labels, buckets, command, seconds) -> str:
   notes = [f"Model `{config.model}`; text `{config.corpus}`; {config.num_windows} window(s) of "
            f"{config.window_tokens} tokens; the first {config.prefix_tokens} prefilled, every later token "
            "teacher-forced through the cache (SpeCache's speculative row: the model's own greedy guess).",
-           "Buckets are absolute positions [lo, hi); a bucket beyond the window is '–'. In parentheses: change "
+           f"Scored positions: {config.prefix_tokens}–{config.window_tokens - 1}. Buckets are absolute "
+           "positions [lo, hi); a bucket beyond the window is '–'. In parentheses: change "
            "vs the 16-bit full cache. Device MiB: the cache's accelerator bytes for one window.",
            f"Wall time of this invocation: {seconds:.0f} s (cells reused from earlier runs are not re-timed)."]
   atomic_write_text(out_dir / "summary.md", report.header("Perplexity by position", command, notes) + "\n"
