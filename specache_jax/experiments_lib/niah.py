@@ -147,19 +147,39 @@ def summary_table(store: ResultStore, labels, lengths, depths) -> tuple[str, lis
   return report.md_table(headers, rows), notes
 
 
+def answers_section(store: ResultStore, labels, lengths, depths, width: int = 90) -> str:
+  """Every stored answer, per cell and method (what the ✓/✗ were judged on)."""
+  lines = ["## Answers", ""]
+  for n in lengths:
+    for d in depths:
+      lines.append(f"- `{n}@{d:g}`")
+      for label in labels:
+        rec = store.cells.get(cell_id(label, n, d))
+        if rec is not None:
+          text = " ".join(rec["answer"].split())
+          text = text if len(text) <= width else text[:width - 1] + "…"
+          lines.append(f"  - {label} {'✓' if rec['correct'] else '✗'}: {text}")
+  return "\n".join(lines) + "\n"
+
+
 def write_outputs(config, store, labels, lengths, depths, command, seconds) -> str:
   out_dir = pathlib.Path(config.output_dir)
   table, notes = summary_table(store, labels, lengths, depths)
+  batches = {(r["method"], r["length"], r["batch_seconds"]) for r in store.cells.values()
+             if r.get("method") in labels}
   intro = [f"Model `{config.model}`; haystack: Paul Graham essays; columns `length@depth` (context tokens @ "
            f"relative needle depth); greedy, at most {config.max_new_tokens} new tokens, stop at EOS.",
            f"Needle: \"{config.needle}\" Question: \"{config.question}\" Correct if the answer contains "
            f"{config.match} of \"{config.answer_keywords}\" (case-insensitive). ✓ found, ✗ missed, · not run.",
-           "Device MiB: the cache's accelerator bytes for one row at the longest context (StreamingLLM and H2O "
-           "are sized to SpeCache 1-bit's bytes at each length).",
-           f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
+           "Device MiB: the cache's accelerator bytes for one row at the longest context, in the model's dtype "
+           "(StreamingLLM and H2O are sized to SpeCache 1-bit's bytes at each length).",
+           f"Generation time summed over all cells (`seconds`, incl. compilation): "
+           f"{sum(b[2] for b in batches):.0f} s; wall time of this invocation: {seconds:.0f} s (reused cells "
+           "are not re-timed)."]
   text = report.header("Needle in a Haystack", command, intro) + "\n" + table + "\n"
   if notes:
     text += "\n" + "\n".join(notes) + "\n"
+  text += "\n" + answers_section(store, labels, lengths, depths)
   atomic_write_text(out_dir / "summary.md", text)
   plot_heatmaps(store, labels, lengths, depths, out_dir)
   return table

@@ -1,6 +1,7 @@
 """Shared output helpers: markdown tables, result-file headers, progress bars, matplotlib setup."""
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -29,7 +30,8 @@ def header(title: str, command: str, notes: Sequence[str] = ()) -> str:
   """Title, the command that reproduces the file, the machine, and free-form notes."""
   devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
   lines = [f"# {title}", "", "Reproduce (from the repository root):", "", "```bash", command, "```", "",
-           f"Machine: {platform.machine()} {platform.system()}, {jax.device_count()} × {devices} "
+           f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores, "
+           f"{jax.device_count()} × {devices} "
            f"(jax {jax.__version__}, Python {sys.version.split()[0]}); written {time.strftime('%Y-%m-%d %H:%M')}."]
   if notes:
     lines.append("")
