@@ -73,7 +73,7 @@ def _caches_config(**over):
 def test_caches_bench_end_to_end(model):
   result = caches.run(_caches_config(max_prefill_s=0), model, log=lambda s: None)  # batch 2 repeats row 0
   result = json.loads(report.dumps(result))                               # JSON-serializable
-  assert set(result) >= {"meta", "cells", "target", "profile"}
+  assert set(result) >= {"meta", "cells", "target", "profiles"}
   assert [(c["context"], c["batch"]) for c in result["cells"]] == [(64, 1), (64, 2)]
   assert [c["distinct_prompt_rows"] for c in result["cells"]] == [1, 1]
   assert "note" not in result["cells"][0] and "rows repeat" in result["cells"][1]["note"]
@@ -96,8 +96,9 @@ def test_caches_bench_end_to_end(model):
   assert set(result["target"]["ratios"]) == {"specache_1bit@batch1", "specache_2bit@batch1",
                                              "specache_1bit@batch2", "specache_2bit@batch2"}
   assert result["target"]["met"] in (True, False)
-  pieces = result["profile"]["pieces"]
-  assert {"dequantize", "scatter", "top_k", "store", "fetch", "attention"} <= set(pieces)
+  (prof,) = result["profiles"]
+  assert prof["batch"] == 1 and prof["context"] == 64
+  assert {"dequantize", "scatter", "top_k", "store_lowbit", "store_16bit", "fetch", "attention"} <= set(prof["pieces"])
   md = report.caches_markdown(result)
   assert "| specache_1bit |" in md and "## Target" in md
 

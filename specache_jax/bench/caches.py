@@ -96,8 +96,8 @@ def _error_reason(e: Exception) -> str:
 def run_context(config, model, context: int, deadline: float, log: Callable[[str], None],
                 keep: dict | None = None) -> list[dict]:
   """All (batch, method) cells of one context length; prompts prefilled row by row, once, as the cells need
-  them (smallest batch first). `keep`, if given, receives keep[context] = (first [1], Captured, lengths [1])
-  of row 0 (reused by the profile)."""
+  them (smallest batch first). `keep`, if given, receives keep[batch] = (first [B], Captured, lengths [B])
+  for each batch it has a key for (reused by the profile)."""
   cfg, params = model.config, model.params
   dtype = params["embed"].dtype
   labels = exp_methods.labels(config)
@@ -122,8 +122,6 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
       firsts.append(first)
       parts.append(cap)
       log(f"context {context}: prefilled row {len(parts) - 1} in {row_s[-1]:.1f} s")
-      if keep is not None and len(parts) == 1:
-        keep[context] = (firsts[0], parts[0], jax.numpy.asarray(lengths[:1]))
     cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
             "prefill_s_per_row": list(row_s), "distinct_prompt_rows": min(len(parts), batch), "methods": {}}
     cells.append(cell)
@@ -139,6 +137,8 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
     captured = parts[0] if batch == 1 else jax.tree.map(cat, *[parts[i] for i in rows])
     first = jax.numpy.concatenate([firsts[i] for i in rows])
     lens = jax.numpy.asarray(lengths[:batch])                              # all rows have prompt_len tokens
+    if keep is not None and batch in keep:
+      keep[batch] = (first, captured, lens)
     max_len = states.cell_slots(prompt_len, steps)
     steppers = {}
     for label in labels:
@@ -192,30 +192,34 @@ def target_check(cells: list[dict], config) -> dict:
 
 
 def run(config, model, log: Callable[[str], None] = print) -> dict:
-  """The whole sweep -> a JSON-ready dict {meta, cells, target, profile}."""
+  """The whole sweep -> a JSON-ready dict {meta, cells, target, profiles}."""
   t_start = time.perf_counter()
   deadline = t_start + float(config.max_seconds)
   meta = {"benchmark": "caches", "model": model.source, "model_config": model.config.name,
           "dtype": str(model.params["embed"].dtype), "machine_start": timing.machine_info(),
           "warmup": config.warmup, "iters": config.iters, "reference": config.reference,
           "methods": {label: exp_methods.spec_of(config, label) for label in exp_methods.labels(config)}}
-  cells, keep = [], {}
+  cells = []
+  profile_batches = [int(b) for b in config.profile_batches] if config.profile_context else []
+  keep = {b: None for b in profile_batches}
   for context in config.contexts:
     cells.extend(run_context(config, model, int(context), deadline, log,
                              keep if int(context) == int(config.profile_context or -1) else None))
-  result = {"meta": meta, "cells": cells, "target": target_check(cells, config)}
-  if config.profile_context and time.perf_counter() > deadline:
-    result["profile"] = {"skipped": "out of time (config.max_seconds)"}
-  elif config.profile_context:
+  result = {"meta": meta, "cells": cells, "target": target_check(cells, config), "profiles": []}
+  for batch in profile_batches:
+    if time.perf_counter() > deadline:
+      result["profiles"].append({"batch": batch, "skipped": "out of time (config.max_seconds)"})
+      continue
     from specache_jax.bench import profile
     label = config.profile_method
-    method = exp_methods.build(config, label, model.config,
-                               states.cell_slots(int(config.profile_context) - config.margin, config.iters + 2),
-                               model.params["embed"].dtype)
-    result["profile"] = profile.profile_specache_step(model, method, int(config.profile_context),
-                                                      config.margin, config.seed, config.iters,
-                                                      keep.get(int(config.profile_context)))
-    result["profile"]["label"] = label
+    slots = states.cell_slots(int(config.profile_context) - config.margin, config.iters + 2)
+    method = exp_methods.build(config, label, model.config, slots, model.params["embed"].dtype)
+    prof = profile.profile_specache_step(model, method, int(config.profile_context), config.margin, config.seed,
+                                         config.iters, keep.get(batch), batch)
+    prof["label"] = label
+    result["profiles"].append(prof)
+    log(f"profile batch {batch}: " + ", ".join(f"{k} {v['x_layers_s'] * 1e3:.0f} ms"
+                                                 for k, v in prof["pieces"].items()))
   meta["machine_end"] = timing.machine_info()
   meta["seconds"] = time.perf_counter() - t_start
   return result

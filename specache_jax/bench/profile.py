@@ -8,7 +8,9 @@ then multiplied by the layer count (an estimate: XLA fuses across pieces inside 
   scatter      the two scatters: κ columns excluded from the low-bit mask, the extra columns' probabilities
                added back per position ([B, K, S] each)
   top_k        κ_{t+1} = top-k of the speculative row's probabilities over S positions
-  store        the real row: quantized append + 16-bit write of the simulated host cache
+  store_lowbit the real row's quantized append (values; keys when the residual window flushes) + the ring
+  store_16bit  the real row written into the simulated host cache (alone, without donation, this includes a
+               copy of the layer's [B, K, S, H] K and V; inside the step it is an in-place update)
   fetch        the simulated transfer: gather of the κ rows from the 16-bit cache
   scan_copy    the decoder's `lax.scan` over layers reads every layer's state and writes a new stacked state:
                the cost of passing the whole state through once (same for every method, per byte)
@@ -67,13 +69,18 @@ def _top_k(probs_BKS, lengths, *, method):
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
-def _store(st, k_BKH, v_BKH, lengths, *, method):
-  return sc.store(method, st, k_BKH, v_BKH, lengths)
+def _store_lowbit(low, k_BKH, v_BKH, lengths, *, method):
+  return lowbit.append(low, k_BKH, v_BKH, lengths, **method.qargs)
 
 
 @jax.jit
-def _fetch(st, kappa):
-  return sc.fetch_simulated(st, kappa)
+def _store_16bit(k16_BKSH, v16_BKSH, k_BKH, v_BKH, lengths):
+  return A.write_rows(k16_BKSH, k_BKH[:, :, None], lengths), A.write_rows(v16_BKSH, v_BKH[:, :, None], lengths)
+
+
+@jax.jit
+def _fetch(k16_BKSH, v16_BKSH, kappa_BKX):
+  return A.gather_rows(k16_BKSH, kappa_BKX), A.gather_rows(v16_BKSH, kappa_BKX)
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -87,13 +94,14 @@ def _scan_copy(layers):
 
 
 def profile_specache_step(model, method, context: int, margin: int, seed: int, iters: int,
-                          captured=None) -> dict:
-  """Per-piece seconds (per layer and × L) of a SpeCache step at `context` slots, batch 1, and the same
-  run's whole-step times of SpeCache and full. `captured`: (first [B], Captured, lengths [B]) to reuse."""
+                          captured=None, batch: int = 1) -> dict:
+  """Per-piece seconds (per layer and × L) of a SpeCache step at `context` slots, and the same run's
+  whole-step times of SpeCache and full. `captured`: (first [B], Captured, lengths [B]) to reuse (its B wins
+  over `batch`); else `batch` random prompts are prefilled."""
   cfg, params = model.config, model.params
   prompt_len = context - margin
   if captured is None:
-    tokens, lens = random_prompts(seed + context, 1, prompt_len, cfg.vocab_size)
+    tokens, lens = random_prompts(seed + context, batch, prompt_len, cfg.vocab_size)
     first, cap = states.capture(params, cfg, tokens, lens)
     lengths = jnp.asarray(lens)
   else:
@@ -134,8 +142,9 @@ def profile_specache_step(model, method, context: int, margin: int, seed: int, i
                                       n_kv=k),
       "scatter": lambda: _scatter(st.kappa, probs, extra_idx, extra_p),
       "top_k": lambda: _top_k(probs, lengths, method=method),
-      "store": lambda: _store(st, kn_BKTH[:, :, 0], vn_BKTH[:, :, 0], lengths, method=method),
-      "fetch": lambda: _fetch(st, st.kappa),
+      "store_lowbit": lambda: _store_lowbit(st.low, kn_BKTH[:, :, 0], vn_BKTH[:, :, 0], lengths, method=method),
+      "store_16bit": lambda: _store_16bit(st.k16, st.v16, kn_BKTH[:, :, 0], vn_BKTH[:, :, 0], lengths),
+      "fetch": lambda: _fetch(st.k16, st.v16, st.kappa),
       "attend_specache_layer": lambda: _attend(st, q, kn, vn, lengths, method=method),
       "attend_full_layer": lambda: _attend(full_st, q[:, :1], kn[:, :1], vn[:, :1], lengths, method=full),
   }

@@ -78,8 +78,10 @@ def caches_markdown(result: dict) -> str:
   tgt = result.get("target", {})
   verdict = {True: "**met**", False: "**not met**", None: "not measured"}[tgt.get("met")]
   lines += ["## Target", "", f"{tgt.get('rule')}: {verdict} — ratios {json.dumps(tgt.get('ratios'))}", ""]
-  prof = result.get("profile")
-  if prof and "pieces" in prof:
+  for prof in result.get("profiles", []):
+    if "pieces" not in prof:
+      lines += [f"## Profile (batch {prof.get('batch')})", "", f"skipped: {prof.get('skipped')}", ""]
+      continue
     lines += [f"## Where a SpeCache step goes ({prof.get('label')}, S={prof['context']}, B={prof['batch']})", "",
               f"Whole step: SpeCache {_ms(prof['step_specache_s'])} ms, full {_ms(prof['step_full_s'])} ms. "
               f"Passing the stacked state through the layer scan once: SpeCache "
@@ -88,8 +90,6 @@ def caches_markdown(result: dict) -> str:
               prof["note"], ""]
     rows = [[k, _ms(v["per_layer_s"]), _ms(v["x_layers_s"])] for k, v in prof["pieces"].items()]
     lines += _table(["piece", "ms per layer", "ms × layers"], rows) + [""]
-  elif prof:
-    lines += ["## Profile", "", f"skipped: {prof.get('skipped')}", ""]
   return "\n".join(lines)
 
 
