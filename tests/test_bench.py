@@ -160,6 +160,7 @@ def test_overlap_measurement_returns_numbers_in_range(model):
   for key in ("compute_alone_s", "fetch_alone_s", "pipelined_s"):
     assert out[key] > 0 and len(out["rounds_s"][key[:-2]]) == 2
   assert 0.0 <= out["fraction_hidden"] <= 1.0 and np.isfinite(out["fraction_hidden_raw"])
+  assert 0.0 < out["fetch_issue_s"] and len(out["rounds_s"]["fetch_issue"]) == 2
   with pytest.raises(ValueError, match="offloaded speculative"):
     overlap.measure(model, sj.cache_config(**SMALL), 96, 2, 2, 2, 3, 16, 0)
 
@@ -177,11 +178,14 @@ def test_resident_store_answers_with_the_rows_already_held(model):
 
 def test_overlap_subprocess_runs_single_threaded_xla():
   settings = dict(model="random:tiny", dtype="", seed=0, method=dict(SMALL, offload=True), context=64, batch=1,
-                  steps=1, rounds=1, warmup=3, margin=16, nonspeculative=False)
+                  steps=1, rounds=1, warmup=3, margin=16, nonspeculative=False, stores=["pinned_host", "numpy"])
   out = overlap.run_subprocess(settings, single_thread=True, timeout_s=240)
   assert "skipped" not in out, out
   assert overlap.SINGLE_THREAD_XLA in out["xla_flags"]
-  assert 0.0 <= out["fraction_hidden"] <= 1.0
+  assert list(out["stores"]) == ["pinned_host", "numpy"]
+  for st in out["stores"].values():
+    assert st["store"] in ("pinned_host", "numpy") and 0.0 <= st["fraction_hidden"] <= 1.0
+    assert 0.0 < st["fetch_issue_s"]
 
 
 def test_bad_settings_fail_clearly(model):

@@ -5,7 +5,9 @@ On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` de
       device (ready arrays, no host gather, no transfer) — host appends still run;
   (b) fetch alone: all layers' host gathers + `device_put` of κ, issued together and blocked on;
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer's attention).
-fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). On a CPU the overlap only
+fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). Also measured: the time the
+dispatching thread spends just issuing (b) — that part sits on the step's critical path whatever the
+transfer does. Each host store configured is measured separately. On a CPU the overlap only
 shows with single-threaded XLA, so `run_configured` measures in a subprocess with
 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
 
@@ -13,6 +15,7 @@ XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (E
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -55,10 +58,26 @@ class ResidentStore:
     return getattr(self._store, name)
 
 
+def issue_all_layers(rt):
+  """Issue every layer's κ gather + device_put (returns the pending fetches without waiting)."""
+  return [rt.store.fetch(l, rt.states[l].kappa) for l in range(len(rt.states))]
+
+
 def fetch_all_layers(rt):
   """(b): issue every layer's κ gather + device_put, then block on all of them."""
-  pending = [rt.store.fetch(l, rt.states[l].kappa) for l in range(len(rt.states))]
-  return [p.result() for p in pending]
+  return timing.block([p.result() for p in issue_all_layers(rt)])
+
+
+def issue_seconds(rt, n: int) -> float:
+  """Mean seconds the calling thread spends issuing all layers' fetches (the part no overlap can hide:
+  it runs on the thread that dispatches the step)."""
+  total = 0.0
+  for _ in range(n):
+    t0 = time.perf_counter()
+    pending = issue_all_layers(rt)
+    total += time.perf_counter() - t0
+    timing.block([p.result() for p in pending])
+  return total / n
 
 
 def measure(model, method, context: int, batch: int, steps: int, rounds: int, warmup: int, margin: int,
@@ -83,25 +102,25 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
 
   _, carry = resident_steps(carry, 2)                     # untimed: any compile the (a) variant triggers
   fetch_all_layers(rt)
-  a, b, c = [], [], []
+  a, b, c, d = [], [], [], []
   for _ in range(rounds):
     sec, carry = timing.time_chain(drv.step, carry, 0, steps, sync=drv.sync)
     c.append(sec)
     sec, carry = resident_steps(carry, steps)
     a.append(sec)
     b.append(timing.time_calls(lambda: fetch_all_layers(rt), 0, steps)["mean_s"])
+    d.append(issue_seconds(rt, steps))
   ma, mb, mc = statistics.median(a), statistics.median(b), statistics.median(c)
   raw = (ma + mb - mc) / mb if mb > 0 else float("nan")
   return {"context": context, "batch": batch, "store": real.kind, "steps": steps, "rounds": rounds,
-          "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc,
-          "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c},
+          "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc, "fetch_issue_s": statistics.median(d),
+          "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c, "fetch_issue": d},
           "fraction_hidden_raw": raw, "fraction_hidden": min(max(raw, 0.0), 1.0),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average_1_5_15": timing.load_average()}
 
 
 def nonspeculative_step(model, method, context, batch, steps, warmup, margin, seed) -> float:
   """Seconds per step of the non-speculative ablation (fetch on the critical path), same settings."""
-  import dataclasses
   ns = dataclasses.replace(method, speculative=False)
   prompt_len = context - margin
   tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
@@ -116,11 +135,13 @@ def main_settings(settings: dict) -> dict:
   spec = dict(settings["method"])
   method = cache_config(spec.pop("name"), **spec)
   kw = {k: settings[k] for k in ("context", "batch", "steps", "warmup", "margin", "seed")}
-  out = measure(model, method, rounds=settings["rounds"], **kw)
+  out = {"model": model.source, "method": settings["method"], "stores": {},
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  for store in settings.get("stores") or [method.host_store]:
+    m = dataclasses.replace(method, host_store=store)
+    out["stores"][store] = measure(model, m, rounds=settings["rounds"], **kw)
   if settings.get("nonspeculative"):
     out["nonspeculative_step_s"] = nonspeculative_step(model, method, **kw)
-  out["model"] = model.source
-  out["method"] = settings["method"]
   return out
 
 
@@ -149,7 +170,7 @@ def run_configured(config, log=print) -> dict:
   method = dict(o.method.to_dict() if hasattr(o.method, "to_dict") else o.method)
   settings = dict(model=config.model, dtype=config.dtype, seed=config.seed, method=method, context=o.context,
                   batch=o.batch, steps=o.steps, rounds=o.rounds, warmup=o.warmup, margin=config.margin,
-                  nonspeculative=o.nonspeculative)
+                  nonspeculative=o.nonspeculative, stores=list(o.stores))
   log(f"overlap: {settings}")
   if o.subprocess:
     return run_subprocess(settings, o.single_thread_xla and jax.default_backend() == "cpu", o.timeout_s)

@@ -121,16 +121,23 @@ def throughput_markdown(result: dict) -> str:
     if "skipped" in ov:
       lines += [f"skipped: {ov['skipped']}", ""]
     else:
-      lines += [f"S={ov['context']}, B={ov['batch']}, store `{ov['store']}`, XLA_FLAGS=`{ov['xla_flags']}`, "
-                f"{ov['rounds']} rounds of {ov['steps']} steps (medians).", "",
+      stores = ov["stores"]
+      any_ = next(iter(stores.values()))
+      lines += [f"S={any_['context']}, B={any_['batch']}, XLA_FLAGS=`{ov['xla_flags']}`, {any_['rounds']} rounds "
+                f"of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
                 "(a) compute alone: the offloaded step with every fetch answered by rows already on the device; "
-                "(b) fetch alone: all layers' host gathers + `device_put`, blocked; (c) the pipelined step. "
+                "(b) fetch alone: all layers' host gathers + `device_put`, blocked; (c) the pipelined step; "
+                "issue: the part of (b) the dispatching thread spends issuing the fetches. "
                 "Fraction hidden = (a + b − c) / b, clipped to [0, 1].", ""]
-      rows = [[k, _ms(ov[k + "_s"])] for k in ("compute_alone", "fetch_alone", "pipelined")]
-      rows.append(["fraction hidden", f"{ov['fraction_hidden']:.2f} (raw {ov['fraction_hidden_raw']:.2f})"])
+      rows = [[name] + [_ms(st[key + "_s"]) for st in stores.values()]
+              for name, key in (("(a) compute alone", "compute_alone"), ("(b) fetch alone", "fetch_alone"),
+                                ("issue part of (b)", "fetch_issue"), ("(c) pipelined", "pipelined"))]
+      rows.append(["fraction hidden"] + [f"{st['fraction_hidden']:.2f} (raw {st['fraction_hidden_raw']:.2f})"
+                                         for st in stores.values()])
+      lines += _table(["ms per step", *[f"store `{k}`" for k in stores]], rows) + [""]
       if ov.get("nonspeculative_step_s") is not None:
-        rows.append(["non-speculative step (fetch on the critical path)", _ms(ov["nonspeculative_step_s"])])
-      lines += _table(["quantity", "ms"], rows) + [""]
+        lines += [f"Non-speculative step (κ chosen and fetched on the critical path, store "
+                  f"`{ov['method'].get('host_store', 'auto')}`): {_ms(ov['nonspeculative_step_s'])} ms.", ""]
   return "\n".join(lines)
 
 
