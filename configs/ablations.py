@@ -24,6 +24,7 @@ def variants() -> dict:
   v["b2_g32"] = dict(BASE, bits=2, group_size=32)
   v["kivi_quantizer"] = dict(BASE, one_bit="kivi")          # plain KIVI 1-bit levels (m, M) inside SpeCache
   v["non_speculative"] = dict(BASE, speculative=False)      # κ_t from the real token's own low-bit attention
+  v["exact_on_miss"] = dict(BASE, exact_on_miss=True)      # project extension: synchronous exact fetch on a miss
   return v
 
 

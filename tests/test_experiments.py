@@ -89,6 +89,17 @@ def test_teacher_forcing_equals_the_cache_free_forward(tiny, name, settings):
   assert np.asarray(hits).shape == (TF_SHAPE[0],)
 
 
+def test_teacher_forcing_oracle_speculation_hits_every_step(tiny):
+  toks = _tokens(3)
+  method = sj.cache_config("specache", bits=1)
+  nll, hits = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=method, prefix=TF_PREFIX,
+                                 spec_row="text")
+  assert int(hits[0]) == TF_SHAPE[1] - TF_PREFIX - 1                  # the guess is the text's next token
+  own, own_hits = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=method, prefix=TF_PREFIX)
+  assert int(own_hits[0]) < int(hits[0])
+  np.testing.assert_array_equal(np.asarray(nll)[:, :2], np.asarray(own)[:, :2])   # prefill + 1st step agree
+
+
 def test_teacher_forcing_low_bit_differs(tiny):
   toks = _tokens(2)
   full, _ = teacher_forced_nll(tiny.params, toks, cfg=tiny.config, method=sj.cache_config("full"),
@@ -244,3 +255,43 @@ def test_configs_have_cpu_gpu_and_test_variants():
     with pytest.raises(ValueError, match="must be one of cpu, .*gpu, test"):
       module.get_config("tpu")
   assert niah_cfg.get_config().model == "smollm2-135m"
+
+
+def _launch(*args):
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ), timeout=600)
+
+
+def test_generate_launcher_prints_what_the_library_generates(tiny):
+  """The CLI (absl flags + ml_collections config) against the same settings run in-process, and on a mesh."""
+  from configs import generate as generate_cfg
+  from specache_jax import sharding
+  from specache_jax.experiments_lib import generate
+  cfg = generate_cfg.get_config("tiny")
+  cfg.cache, cfg.cache_settings = "specache", "bits=1,topk=8,residual=32,group_size=32"
+  want = generate.run(cfg, model=tiny)
+  assert want.new_tokens == cfg.max_new_tokens and want.text
+  on_mesh = generate.run(cfg, model=tiny, mesh=sharding.make_mesh(1, 2))
+  assert on_mesh.text == want.text
+  proc = _launch("experiments.generate", "--config=configs/generate.py:tiny", "--config.cache=specache",
+                 f"--config.cache_settings={cfg.cache_settings}", "--mesh=1,2")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[0] == want.text.splitlines()[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh=2"], "--mesh='2' must be 'DATA,MODEL'"),
+    (["--mesh=3,3"], "needs 9 devices; only 8"),
+    (["--config.cache_settings=bits"], "cache_settings item 'bits' must look like name=value"),
+    (["--config.cache=lru"], "lru"),
+], ids=["mesh-one-axis", "mesh-too-big", "settings-no-value", "unknown-method"])
+def test_generate_launcher_rejects_bad_flags_with_a_message(args, message):
+  proc = _launch("experiments.generate", "--config=configs/generate.py:tiny", *args)
+  assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+
+
+def test_sweep_launchers_without_a_sharded_path_refuse_a_mesh(tmp_path):
+  proc = _launch("experiments.perplexity", "--config=configs/perplexity.py:test", "--mesh=1,2",
+                 f"--config.output_dir={tmp_path}")
+  assert proc.returncode != 0 and "runs on one device" in proc.stderr, proc.stderr[-2000:]

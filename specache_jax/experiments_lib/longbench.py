@@ -51,7 +51,7 @@ def generation_length(config, task: str) -> int:
 
 
 def run(config, model=None, command: str = "python -m experiments.longbench --config=configs/longbench.py",
-        log=print) -> Result:
+        log=print, mesh=None) -> Result:
   start = time.time()
   if not config.data_dir:
     raise ValueError("config.data_dir is empty: point it at a directory of LongBench jsonl files "
@@ -81,7 +81,7 @@ def run(config, model=None, command: str = "python -m experiments.longbench --co
       max_len = max(len(p) for p in ids) + gen + 2
       method = methods.build(config, label, model.config, max_len, dtype)
       t0 = time.time()
-      out = sj.generate(model, ids, max_new_tokens=gen, cache=method, stop_tokens=stops)
+      out = sj.generate(model, ids, max_new_tokens=gen, cache=method, stop_tokens=stops, mesh=mesh)
       toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
       seconds = time.time() - t0
       recs = {f"{label}/{task}/{ex.id}": dict(

@@ -32,6 +32,16 @@ def labels(config) -> list[str]:
   return chosen
 
 
+# Per-label options an experiment reads itself (never passed to the cache config):
+#   spec_row: perplexity's speculative-row token, "model" (its own guess, as in decoding) or "text" (oracle).
+RUN_OPTIONS = ("spec_row",)
+
+
+def options(config, label: str) -> dict[str, Any]:
+  spec = spec_of(config, label)
+  return {k: spec[k] for k in RUN_OPTIONS if k in spec}
+
+
 def spec_of(config, label: str) -> dict[str, Any]:
   spec = _as_dict(_as_dict(config.methods)[label])
   if "name" not in spec:
@@ -44,6 +54,8 @@ def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype) -> Ca
   spec = spec_of(config, label)
   name = spec.pop("name")
   match = spec.pop("match", None)
+  for key in RUN_OPTIONS:
+    spec.pop(key, None)
   if match is None:
     return cache_config(name, **spec)
   if match == label:

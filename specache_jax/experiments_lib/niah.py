@@ -77,7 +77,7 @@ def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], C
 
 
 def run(config, model=None, command: str = "python -m experiments.niah --config=configs/niah.py",
-        log=print) -> Result:
+        log=print, mesh=None) -> Result:
   start = time.time()
   model = model or models.load(config.model, config.dtype)
   dtype = model.params["embed"].dtype
@@ -103,7 +103,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     max_len = max(len(p) for p in prompts) + config.max_new_tokens + 2
     method = methods.build(config, label, model.config, max_len, dtype)
     t0 = time.time()
-    out = sj.generate(model, prompts, max_new_tokens=config.max_new_tokens, cache=method, stop_tokens=stops)
+    out = sj.generate(model, prompts, max_new_tokens=config.max_new_tokens, cache=method, stop_tokens=stops, mesh=mesh)
     toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
     seconds = time.time() - t0
     info = dict(method=label, length=n, settings=methods.describe(method), batch_seconds=seconds,

@@ -109,14 +109,15 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
       break
     method = methods.build(config, label, model.config, max_len_for(t), dtype)
     t0 = time.time()
+    spec_row = methods.options(config, label).get("spec_row", "model")
     nll, hits = teacher_forced_nll(model.params, jnp.asarray(windows[todo]), cfg=model.config, method=method,
-                                   prefix=config.prefix_tokens)
+                                   prefix=config.prefix_tokens, spec_row=spec_row)
     nll, hits = np.asarray(jax.device_get(nll)), np.asarray(jax.device_get(hits))
     seconds = time.time() - t0
     if not np.all(np.isfinite(nll)):
       raise FloatingPointError(f"method {label}: non-finite NLL in windows {todo}")
     steps = t - config.prefix_tokens - 1
-    info = dict(method=label, settings=methods.describe(method), seconds=seconds,
+    info = dict(method=label, settings=methods.describe(method), spec_row=spec_row, seconds=seconds,
                 device_bytes=methods.device_bytes(method, model.config, max_len_for(t), dtype))
     recs = {ids[w]: dict(info, window=w, spec_hit_rate=(float(h) / steps if method.decode_width == 2 else None),
                          **cell)
@@ -173,6 +174,12 @@ def write_outputs(config, store, labels, buckets, command, seconds) -> str:
   notes = [f"Model `{config.model}`; text `{config.corpus}`; {config.num_windows} window(s) of "
            f"{config.window_tokens} tokens; the first {config.prefix_tokens} prefilled, every later token "
            "teacher-forced through the cache (SpeCache's speculative row: the model's own greedy guess).",
+           "Spec. token hit: how often the speculative row's token equalled the text's next token. Under "
+           "teacher forcing the speculative chain follows the model's own guesses while the real row follows "
+           "the text, so this is far lower than in free generation (see results/hitrate) and SpeCache's fetch "
+           "set is chosen by a worse query than when decoding: a pessimistic setting for SpeCache. Labels "
+           "ending in `_oracle` feed the text's true next token to the speculative row instead (the best "
+           "case for the fetch set: what remains is the low-bit error on the rows not fetched).",
            f"Scored positions: {config.prefix_tokens}–{config.window_tokens - 1}. Buckets are absolute "
            "positions [lo, hi); a bucket beyond the window is '–'. In parentheses: change "
            "vs the 16-bit full cache. Device MiB: the cache's accelerator bytes for one window.",

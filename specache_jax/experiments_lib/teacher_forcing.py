@@ -5,6 +5,8 @@ does (`phase="decode"`), so a compressed cache's error accumulates as it would i
 is always the true token. For a method that decodes two rows (SpeCache), the speculative row is the model's
 own greedy guess of the next token — the argmax of the previous step's speculative row, as in decoding
 (`decode.generate_jit`); the first guess comes from the pre-decoding pass over the first true token.
+`spec_row="text"` feeds the text's true next token instead (an oracle speculation: the best case for the
+fetch set, which isolates the low-bit error from speculation misses).
 
   nll[b, i] = -log p(tokens[b, prefix + i] | tokens[b, :prefix + i]),  i = 0 .. T - prefix - 1
 """
@@ -32,13 +34,19 @@ def max_len_for(total_tokens: int) -> int:
   return -(-(total_tokens + 2) // decode.SLOT_ROUNDING) * decode.SLOT_ROUNDING
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "prefix"))
-def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConfig, prefix: int):
+SPEC_ROWS = ("model", "text")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "prefix", "spec_row"))
+def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConfig, prefix: int,
+                       spec_row: str = "model"):
   """tokens [B, T] int32 (every row T real tokens) -> (nll [B, T - prefix] float32, spec_hits [B] int32).
 
   spec_hits counts the steps whose speculative guess equalled the true next token (0 for one-row methods).
   """
   b, t = tokens_BT.shape
+  if spec_row not in SPEC_ROWS:
+    raise ValueError(f"{spec_row=} must be one of {SPEC_ROWS}")
   if not 1 <= prefix < t:
     raise ValueError(f"{prefix=} must be in [1, {t}) for {t} tokens")
   dtype = params["embed"].dtype
@@ -57,10 +65,15 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
   def step(carry, xs):
     cache, guess = carry
     tok_B, target_B = xs
+    if spec_row == "text":
+      guess = target_B
     inp = jnp.stack([tok_B, guess], axis=1) if two_rows else tok_B[:, None]
     logits, cache, _ = forward(params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
     hit = (guess == target_B).astype(jnp.int32)
+    observe = getattr(method.impl, "observe_speculation", None)
+    if two_rows and observe is not None:     # as decode.generate_jit: tell the method when its guess missed
+      cache = cache.replace(layers=observe(method, cache.layers, guess != target_B))
     guess = jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32) if two_rows else guess
     return (cache, guess), (nll, hit)
 

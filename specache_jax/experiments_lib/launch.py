@@ -1,0 +1,62 @@
+"""Flags every launcher shares: multi-host start-up and the device mesh.
+
+  --distributed      call `jax.distributed.initialize()` before anything else touches JAX (TPU slices, several
+                     GPU hosts; the coordinator comes from the environment, as JAX documents)
+  --mesh=DATA,MODEL  run generation on a ("data", "model") mesh: batch rows on data, attention/KV heads and the
+                     MLP hidden dim on model (specache_jax.sharding); empty = one device
+"""
+from __future__ import annotations
+
+from absl import flags
+
+from specache_jax import sharding
+
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "multi-host: call jax.distributed.initialize() before any JAX work")
+_MESH = flags.DEFINE_string("mesh", "", "'DATA,MODEL' mesh axis sizes (e.g. 2,4); empty: a single device")
+
+
+def parse_mesh(text: str):
+  """'' -> None; 'D,M' -> sharding.make_mesh(D, M) over the visible devices (all hosts' after --distributed)."""
+  text = (text or "").strip()
+  if not text:
+    return None
+  parts = [p.strip() for p in text.split(",")]
+  if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+    raise ValueError(f"--mesh={text!r} must be 'DATA,MODEL', two integers >= 1 (e.g. --mesh=2,4)")
+  return sharding.make_mesh(int(parts[0]), int(parts[1]))
+
+
+def setup():
+  """Call first in a launcher's main(): initializes multi-host JAX if asked, returns the mesh (or None)."""
+  from absl import app
+
+  sharding.maybe_initialize_distributed(_DISTRIBUTED.value)
+  try:
+    return parse_mesh(_MESH.value)
+  except ValueError as e:                 # a bad flag value: absl's usage error, not a traceback
+    raise app.UsageError(str(e)) from None
+
+
+def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "cell(s)") -> None:
+  """The body of every sweep launcher: flags -> (distributed, mesh) -> runner(config, ...) -> printed table."""
+  import shlex
+  import sys
+
+  import jax
+  from absl import app, logging
+
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  mesh = setup()
+  if mesh is not None and not mesh_ok:
+    raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device (teacher forcing and "
+                         "the hit-rate probes are not sharded); drop --mesh")
+  logging.info("config:\n%s", config)
+  logging.info("devices: %s; mesh: %s", jax.devices(), mesh)
+  command = shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
+  kwargs = {"mesh": mesh} if mesh_ok else {}
+  result = runner(config, command=command, log=logging.info, **kwargs)
+  print(result.table)
+  print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
+        f"written to {config.output_dir}/")
