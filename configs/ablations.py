@@ -37,7 +37,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.methods = variants()            # label -> cache settings; references plus the SpeCache variants
   c.run_methods = ",".join(variants())   # labels run, in table order
   c.run_parts = "niah,perplexity"   # which sweeps feed the table
-  c.output_dir = "results/ablations"     # niah/ and perplexity/ sub-sweeps, summary.md, results.json
+  c.output_dir = "runs/ablations"     # niah/ and perplexity/ sub-sweeps, summary.md, results.json
   c.stop_after = 0                  # >0: stop once this many new cells are stored (both sweeps together)
   c.niah = ml_collections.ConfigDict()
   c.niah.lengths = "1024"           # NIAH context lengths (tokens)
@@ -60,7 +60,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.niah.depths = "0.1,0.25,0.5,0.75,0.9"
     c.perplexity.num_windows = 4
     c.perplexity.window_tokens = 8192
-    c.output_dir = "results/ablations_gpu"
+    c.output_dir = "runs/ablations_gpu"
   elif arg == "test":
     c.model = "tiny-random"
     c.run_methods = "full,k0,non_speculative"

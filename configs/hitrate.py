@@ -22,7 +22,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_new_tokens = 256            # greedy tokens generated per prompt (no stop token: the full length)
   c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
   c.run_methods = "specache_1bit,specache_2bit"   # SpeCache labels only (track_hits is switched on)
-  c.output_dir = "results/hitrate"  # results.json (resumable), summary.md, hitrate.png
+  c.output_dir = "runs/hitrate"  # results.json (resumable), summary.md, hitrate.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored
   if arg == "gpu":
     c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint
@@ -30,7 +30,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.num_prompts = 8
     c.context_tokens = 7168
     c.max_new_tokens = 1024
-    c.output_dir = "results/hitrate_gpu"
+    c.output_dir = "runs/hitrate_gpu"
   elif arg == "test":
     c.model = "tiny-random"
     c.num_prompts = 2

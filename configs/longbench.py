@@ -30,7 +30,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.batch_size = 1                  # prompts per sj.generate call (a ragged batch)
   c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
   c.run_methods = "full,specache_1bit"   # labels run, in order
-  c.output_dir = "results/longbench"     # results.json (resumable), <method>/<task>.jsonl, scores.json, summary.md
+  c.output_dir = "runs/longbench"     # results.json (resumable), <method>/<task>.jsonl, scores.json, summary.md
   c.stop_after = 0                  # >0: stop once this many new predictions are stored
   if arg == "gpu":
     c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint
@@ -39,7 +39,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.max_prompt_tokens = 7500      # LLaMA-3 8k context minus room for the longest generation
     c.batch_size = 4
     c.run_methods = "full,specache_2bit,specache_1bit"
-    c.output_dir = "results/longbench_gpu"
+    c.output_dir = "runs/longbench_gpu"
   elif arg == "test":
     c.model = "tiny-random"
     c.data_dir = "tests/fixtures/longbench"

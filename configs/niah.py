@@ -25,11 +25,16 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.answer_keywords = "sandwich,Dolores Park"   # comma-separated; an answer is checked for them (any case)
   c.match = "all"                   # "all": every keyword must appear; "any": one is enough
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
-  c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
-  # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit (g64, R64, k64), and
-  # StreamingLLM / H2O sized to SpeCache 1-bit's device bytes.
-  c.run_methods = "full,kivi_1bit,specache_1bit,streaming,h2o"
-  c.output_dir = "results/niah"     # results.json (resumable cells), summary.md, heatmap_<method>.png
+  # label -> cache settings (experiments_lib/methods.py:standard), plus the project's exact_on_miss extension
+  # (on a speculation miss, fetch the real token's own top-k synchronously; off in the paper's method).
+  c.methods = dict(methods.standard(),
+                   specache_1bit_eom=dict(methods.standard()["specache_1bit"], exact_on_miss=True))
+  # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit and 2-bit (g64, R64,
+  # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss.
+  c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom"
+  # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/niah
+  # (written with --config.output_dir=results/niah).
+  c.output_dir = "runs/niah"        # results.json (resumable cells), summary.md, heatmap_<method>.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
   if arg == "gpu":
     c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint (HF directory or .gguf)
@@ -37,7 +42,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.lengths = "1024,2048,4096,6144,8000"
     c.depths = "0.0,0.1,0.25,0.5,0.75,0.9,1.0"
     c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
-    c.output_dir = "results/niah_gpu"
+    c.output_dir = "runs/niah_gpu"
   elif arg == "test":
     c.model = "tiny-random"
     c.lengths = "324,336"          # both pad to the same shapes: one compile per method

@@ -4,6 +4,8 @@ Run (from the repository root):
   python -m experiments.perplexity --config=configs/perplexity.py          # "cpu": SmolLM2-135M, 2k tokens
   python -m experiments.perplexity --config=configs/perplexity.py:long     # SmolLM2, 8k tokens (hours on CPU)
   python -m experiments.perplexity --config=configs/perplexity.py:gpu --config.model=/path/to/Meta-Llama-3-8B-Instruct
+  python -m experiments.perplexity --config=configs/perplexity.py:essay    # SmolLM2 sanity check: the first
+      1,024 tokens of the Paul Graham essays, 16-bit cache only (expect a perplexity of roughly 20–35)
   python -m experiments.perplexity --config=configs/perplexity.py:test     # random tiny model, seconds
 Override any field from the command line, e.g. `--config.run_methods=full,specache_1bit`.
 """
@@ -13,8 +15,8 @@ from specache_jax.experiments_lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
-  if arg not in ("cpu", "long", "gpu", "test"):
-    raise ValueError(f"config variant {arg!r} must be one of cpu, long, gpu, test")
+  if arg not in ("cpu", "long", "essay", "gpu", "test"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, long, essay, gpu, test")
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"          # registered name, .gguf file, HF or orbax directory, or "tiny-random"
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
@@ -31,14 +33,21 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),
                    specache_2bit_oracle=dict(methods.standard()["specache_2bit"], spec_row="text"))
   c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
-  c.output_dir = "results/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
+  c.output_dir = "runs/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
   if arg == "long":                 # SmolLM2's whole 8k context on this CPU: 20–40 min per method
     c.window_tokens = 8192
     c.prefix_tokens = 256
     c.buckets = "0-1024,1024-4096,4096-8192"
     c.run_methods = "full,specache_1bit,specache_2bit"
-    c.output_dir = "results/perplexity_8k"
+    c.output_dir = "runs/perplexity_8k"
+  elif arg == "essay":              # the model itself, no compression: is the checkpoint loaded right?
+    c.corpus = "paul_graham"
+    c.window_tokens = 1024
+    c.prefix_tokens = 1             # every token after the first is scored through the decode path
+    c.buckets = "0-1024"
+    c.run_methods = "full"
+    c.output_dir = "runs/perplexity_essay"
   elif arg == "gpu":
     c.model = ""                    # set to a local Llama-3-8B-Instruct checkpoint (HF directory or .gguf)
     c.dtype = "bfloat16"
@@ -47,7 +56,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.prefix_tokens = 256
     c.buckets = "0-1024,1024-4096,4096-8192"
     c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,kivi_2bit,streaming,h2o"
-    c.output_dir = "results/perplexity_gpu"
+    c.output_dir = "runs/perplexity_gpu"
   elif arg == "test":
     c.model = "tiny-random"
     c.window_tokens = 300

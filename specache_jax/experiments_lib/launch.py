@@ -27,9 +27,20 @@ def parse_mesh(text: str):
   return sharding.make_mesh(int(parts[0]), int(parts[1]))
 
 
+class _QuietLibraries:
+  """A logging filter: orbax's per-load INFO lines (throughput, metadata stores) stay out of the launchers' log."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= 30 or "/orbax/" not in record.pathname.replace("\\", "/")
+
+
 def setup():
   """Call first in a launcher's main(): initializes multi-host JAX if asked, returns the mesh (or None)."""
+  import logging as py_logging
+
   from absl import app
+
+  py_logging.getLogger("absl").addFilter(_QuietLibraries())
 
   sharding.maybe_initialize_distributed(_DISTRIBUTED.value)
   try:
