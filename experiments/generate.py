@@ -6,7 +6,6 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from specache_jax.experiments_lib import generate, launch
-from specache_jax.model.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py", "generation config", lock_config=True)
 
@@ -19,13 +18,13 @@ def main(argv):
   logging.info("config:\n%s", config)
   try:
     result = generate.run(config, mesh=mesh)
-  except (generate.SettingsError, ConfigError) as e:     # bad settings: a usage message, no traceback
-    raise app.UsageError(str(e)) from None
+  except (generate.SettingsError, *launch.user_errors()) as e:   # bad input: a usage message, no traceback
+    raise app.UsageError(f"{type(e).__name__}: {e}") from None
   print(result.text)
   logging.info("%d prompt tokens, %d new tokens, %.1f s (incl. compilation)", result.prompt_tokens,
                result.new_tokens, result.seconds)
   if result.stats is not None:
-    print({k: round(float(v), 4) for k, v in result.stats.items()})
+    print({k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v]) for k, v in result.stats.items()})
 
 
 if __name__ == "__main__":

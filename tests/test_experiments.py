@@ -271,8 +271,9 @@ def test_generate_launcher_prints_what_the_library_generates(tiny):
   cfg.cache, cfg.cache_settings = "specache", "bits=1,topk=8,residual=32,group_size=32"
   want = generate.run(cfg, model=tiny)
   assert want.new_tokens == cfg.max_new_tokens and want.text
-  on_mesh = generate.run(cfg, model=tiny, mesh=sharding.make_mesh(1, 2))
-  assert on_mesh.text == want.text
+  for data, model_axis in [(1, 2), (2, 2)]:          # data=2 > batch 1: the batch is padded, the pad dropped
+    on_mesh = generate.run(cfg, model=tiny, mesh=sharding.make_mesh(data, model_axis))
+    assert on_mesh.text == want.text, (data, model_axis)
   proc = _launch("experiments.generate", "--config=configs/generate.py:tiny", "--config.cache=specache",
                  f"--config.cache_settings={cfg.cache_settings}", "--mesh=1,2")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -283,8 +284,9 @@ def test_generate_launcher_prints_what_the_library_generates(tiny):
     (["--mesh=2"], "--mesh='2' must be 'DATA,MODEL'"),
     (["--mesh=3,3"], "needs 9 devices; only 8"),
     (["--config.cache_settings=bits"], "cache_settings item 'bits' must look like name=value"),
-    (["--config.cache=lru"], "lru"),
-], ids=["mesh-one-axis", "mesh-too-big", "settings-no-value", "unknown-method"])
+    (["--config.cache=lru"], "cache method 'lru' is unknown"),
+    (["--config.model=/nonexistent/model.gguf"], "CheckpointError"),
+], ids=["mesh-one-axis", "mesh-too-big", "settings-no-value", "unknown-method", "missing-checkpoint"])
 def test_generate_launcher_rejects_bad_flags_with_a_message(args, message):
   proc = _launch("experiments.generate", "--config=configs/generate.py:tiny", *args)
   assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
@@ -295,3 +297,13 @@ def test_sweep_launchers_without_a_sharded_path_refuse_a_mesh(tmp_path):
   proc = _launch("experiments.perplexity", "--config=configs/perplexity.py:test", "--mesh=1,2",
                  f"--config.output_dir={tmp_path}")
   assert proc.returncode != 0 and "runs on one device" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_per_label_option_is_refused_where_the_experiment_ignores_it(tiny, tmp_path):
+  """perplexity's spec_row in a NIAH sweep would silently run plain SpeCache: it is an error instead."""
+  from specache_jax.model.config import ConfigError
+  cfg = _cfg(niah_cfg, tmp_path)
+  cfg.methods.specache_1bit_oracle = dict(name="specache", bits=1, spec_row="text")
+  cfg.run_methods = "specache_1bit_oracle"
+  with pytest.raises(ConfigError, match="does not use 'spec_row'"):
+    niah.run(cfg, model=tiny, log=lambda *_: None)

@@ -46,7 +46,7 @@ def test_specache_with_topk_covering_the_context_equals_full_each_step(model):
   assert worst <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(ref)))), worst
 
 
-def test_needles_full_retrieves_and_specache_2bit_k256_exact_on_miss_retrieve(model, tmp_path):
+def test_needles_retrieved_by_full_specache_2bit_1bit_k256_and_1bit_exact_on_miss(model, tmp_path):
   """Held on the cells of results/niah where they were measured to retrieve (1024 tokens, depths 0.25 and 0.75):
   SpeCache 2-bit (g64, R64, k64), SpeCache 1-bit at k=256, and SpeCache 1-bit k=64 with the exact_on_miss
   extension. Recorded there, not asserted: on this 135M model SpeCache 1-bit at k=64 retrieves no needle

@@ -44,10 +44,9 @@ def run(config, model=None, mesh=None) -> Completion:
   ids = models.chat_ids(tok, config.prompt) if config.chat else list(tok.encode(config.prompt))
   stops = models.stop_ids(model)
   t0 = time.time()
-  result = sj.generate(model, [ids], max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                       top_p=config.top_p, seed=config.seed, cache=method, stop_tokens=stops,
-                       return_stats=config.stats, mesh=mesh)
-  out, stats = result if config.stats else (result, None)
-  num = int(out.num_tokens[0])
-  text = models.decode_answer(tok, out.tokens[0], num, stops)
+  toks, nums, stats = models.generate_rows(model, [ids], max_new_tokens=config.max_new_tokens,
+                                           temperature=config.temperature, top_p=config.top_p, seed=config.seed,
+                                           cache=method, stop_tokens=stops, return_stats=config.stats, mesh=mesh)
+  num = int(nums[0])
+  text = models.decode_answer(tok, toks[0], num, stops)
   return Completion(text, len(ids), num, time.time() - t0, stats)

@@ -49,6 +49,14 @@ def setup():
     raise app.UsageError(str(e)) from None
 
 
+def user_errors() -> tuple[type, ...]:
+  """Exceptions that mean bad input (a config value, a checkpoint, a memory plan): a usage message, no traceback."""
+  from specache_jax.checkpoints import CheckpointError
+  from specache_jax.model.config import ConfigError
+  from specache_jax.offload import MemoryPlanError
+  return (ConfigError, CheckpointError, MemoryPlanError)
+
+
 def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "cell(s)") -> None:
   """The body of every sweep launcher: flags -> (distributed, mesh) -> runner(config, ...) -> printed table."""
   import shlex
@@ -67,7 +75,10 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
   logging.info("devices: %s; mesh: %s", jax.devices(), mesh)
   command = shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
   kwargs = {"mesh": mesh} if mesh_ok else {}
-  result = runner(config, command=command, log=logging.info, **kwargs)
+  try:
+    result = runner(config, command=command, log=logging.info, **kwargs)
+  except user_errors() as e:
+    raise app.UsageError(f"{type(e).__name__}: {e}") from None
   print(result.table)
   print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
         f"written to {config.output_dir}/")

@@ -14,9 +14,7 @@ import json
 import pathlib
 import time
 
-import numpy as np
 
-import specache_jax as sj
 from specache_jax.data import longbench as lb
 from specache_jax.experiments_lib import methods, models, report
 from specache_jax.experiments_lib.store import ResultStore, atomic_write_json, atomic_write_text, fingerprint
@@ -81,8 +79,8 @@ def run(config, model=None, command: str = "python -m experiments.longbench --co
       max_len = max(len(p) for p in ids) + gen + 2
       method = methods.build(config, label, model.config, max_len, dtype)
       t0 = time.time()
-      out = sj.generate(model, ids, max_new_tokens=gen, cache=method, stop_tokens=stops, mesh=mesh)
-      toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
+      toks, nums, _ = models.generate_rows(model, ids, max_new_tokens=gen, cache=method, stop_tokens=stops,
+                                           mesh=mesh)
       seconds = time.time() - t0
       recs = {f"{label}/{task}/{ex.id}": dict(
           method=label, task=task, id=ex.id, prompt_tokens=len(p), seconds=seconds / len(batch),

@@ -49,18 +49,27 @@ def spec_of(config, label: str) -> dict[str, Any]:
   return spec
 
 
-def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype) -> CacheConfig:
-  """The cache config of `label` for sequences of up to `max_len` tokens (prompt + generation)."""
+def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype,
+          run_options: tuple[str, ...] = ()) -> CacheConfig:
+  """The cache config of `label` for sequences of up to `max_len` tokens (prompt + generation).
+
+  run_options: the per-label options (RUN_OPTIONS) the calling experiment reads itself; any other one in the
+  label's spec is an error (e.g. perplexity's spec_row in a NIAH sweep would otherwise be silently ignored).
+  """
   spec = spec_of(config, label)
   name = spec.pop("name")
   match = spec.pop("match", None)
   for key in RUN_OPTIONS:
+    if key in spec and key not in run_options:
+      raise ConfigError(f"config.methods.{label}.{key}={spec[key]!r}: this experiment does not use {key!r} "
+                        f"(only {', '.join(run_options) or 'no per-label options'}); remove it or run the "
+                        "experiment that reads it")
     spec.pop(key, None)
   if match is None:
     return cache_config(name, **spec)
   if match == label:
     raise ConfigError(f"config.methods.{label}.match={match!r} cannot match itself")
-  ref = build(config, match, model_cfg, max_len, dtype)
+  ref = build(config, match, model_cfg, max_len, dtype, run_options=RUN_OPTIONS)   # only its bytes matter
   from specache_jax.caches.budget import matched_budget
   return matched_budget(name, ref, model_cfg, max_len, dtype, **spec)
 

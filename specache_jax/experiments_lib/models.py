@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
@@ -78,3 +79,27 @@ def decode_answer(tokenizer, ids: Sequence[int], num: int, stops: Sequence[int])
   """Text of the first `num` generated ids, without the stop token."""
   kept = [int(t) for t in list(ids)[:num] if int(t) not in set(stops)]
   return tokenizer.decode(kept)
+
+
+def to_host(x) -> np.ndarray:
+  """A (possibly sharded, possibly multi-process) array as numpy on every process."""
+  if not getattr(x, "is_fully_addressable", True):            # rows live on other hosts' devices
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def generate_rows(model, prompts, *, mesh=None, return_stats: bool = False, **kwargs):
+  """`sj.generate` over a ragged list of prompts -> (tokens [n, T] numpy, num_tokens [n] numpy, stats | None).
+
+  On a mesh the batch is padded to a multiple of its data axis by repeating the last prompt (a sweep's last
+  batch, or one prompt, need not divide it); the padded rows are dropped from the outputs.
+  """
+  import specache_jax as sj
+  n = len(prompts)
+  rows = list(prompts)
+  if mesh is not None and n:
+    rows += [rows[-1]] * (-n % int(dict(mesh.shape)["data"]))
+  result = sj.generate(model, rows, mesh=mesh, return_stats=return_stats, **kwargs)
+  out, stats = result if return_stats else (result, None)
+  return to_host(out.tokens)[:n], to_host(out.num_tokens)[:n], stats

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-import specache_jax as sj
 from specache_jax.data import corpora
 from specache_jax.data import niah as niah_data
 from specache_jax.experiments_lib import methods, models, report
@@ -103,8 +102,8 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     max_len = max(len(p) for p in prompts) + config.max_new_tokens + 2
     method = methods.build(config, label, model.config, max_len, dtype)
     t0 = time.time()
-    out = sj.generate(model, prompts, max_new_tokens=config.max_new_tokens, cache=method, stop_tokens=stops, mesh=mesh)
-    toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
+    toks, nums, _ = models.generate_rows(model, prompts, max_new_tokens=config.max_new_tokens, cache=method,
+                                         stop_tokens=stops, mesh=mesh)
     seconds = time.time() - t0
     info = dict(method=label, length=n, settings=methods.describe(method), batch_seconds=seconds,
                 device_bytes=methods.device_bytes(method, model.config, max_len, dtype))

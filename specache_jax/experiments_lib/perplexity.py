@@ -107,7 +107,7 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
       continue
     if config.stop_after and store.computed >= config.stop_after:
       break
-    method = methods.build(config, label, model.config, max_len_for(t), dtype)
+    method = methods.build(config, label, model.config, max_len_for(t), dtype, run_options=("spec_row",))
     t0 = time.time()
     spec_row = methods.options(config, label).get("spec_row", "model")
     nll, hits = teacher_forced_nll(model.params, jnp.asarray(windows[todo]), cfg=model.config, method=method,
