@@ -11,15 +11,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py", "gene
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  mesh = launch.setup()
+  mesh = launch.start(argv)
   config = _CONFIG.value
   logging.info("config:\n%s", config)
-  try:
+  with launch.bad_input_as_usage(generate.SettingsError):
     result = generate.run(config, mesh=mesh)
-  except (generate.SettingsError, *launch.user_errors()) as e:   # bad input: a usage message, no traceback
-    raise app.UsageError(f"{type(e).__name__}: {e}") from None
   print(result.text)
   logging.info("%d prompt tokens, %d new tokens, %.1f s (incl. compilation)", result.prompt_tokens,
                result.new_tokens, result.seconds)

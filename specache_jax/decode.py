@@ -57,6 +57,12 @@ def _masked_sum(aux, active_B):
   return jax.tree.map(lambda a: jnp.einsum("lb,b->l", a.astype(jnp.float32), w), aux)
 
 
+def observe_speculation(method: CacheConfig, cache: Cache, missed_B) -> Cache:
+  """Tell a two-row method which rows' speculative token missed (its `observe_speculation` hook, if any)."""
+  observe = getattr(method.impl, "observe_speculation", None)
+  return cache if observe is None else cache.replace(layers=observe(method, cache.layers, missed_B))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "greedy", "stop_tokens",
                                              "max_len", "pad_id", "mesh", "check_numerics"))
 def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: ModelConfig,
@@ -120,9 +126,7 @@ def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: 
     if method.decode_width == 2:
       spec_hits = spec_hits + jnp.sum((inp[:, 1] == nxt) & active)
       spec_total = spec_total + jnp.sum(active)
-      observe = getattr(method.impl, "observe_speculation", None)
-      if observe is not None:
-        cache = cache.replace(layers=observe(method, cache.layers, inp[:, 1] != nxt))
+      cache = observe_speculation(method, cache, inp[:, 1] != nxt)
       inp = jnp.stack([nxt, jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32)], axis=1)
     else:
       inp = nxt[:, None]

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from absl import flags
 
 from specache_jax import sharding
@@ -34,14 +36,16 @@ class _QuietLibraries:
     return record.levelno >= 30 or "/orbax/" not in record.pathname.replace("\\", "/")
 
 
-def setup():
-  """Call first in a launcher's main(): initializes multi-host JAX if asked, returns the mesh (or None)."""
+def start(argv):
+  """Call first in a launcher's main(): rejects stray arguments, initializes multi-host JAX if asked, quiets
+  orbax's INFO lines, returns the mesh (or None)."""
   import logging as py_logging
 
   from absl import app
 
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
   py_logging.getLogger("absl").addFilter(_QuietLibraries())
-
   sharding.maybe_initialize_distributed(_DISTRIBUTED.value)
   try:
     return parse_mesh(_MESH.value)
@@ -57,6 +61,16 @@ def user_errors() -> tuple[type, ...]:
   return (ConfigError, CheckpointError, MemoryPlanError)
 
 
+@contextlib.contextmanager
+def bad_input_as_usage(*extra: type):
+  """Inside: a user_errors() (or `extra`) exception becomes absl's usage message naming it."""
+  from absl import app
+  try:
+    yield
+  except (*user_errors(), *extra) as e:
+    raise app.UsageError(f"{type(e).__name__}: {e}") from None
+
+
 def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "cell(s)") -> None:
   """The body of every sweep launcher: flags -> (distributed, mesh) -> runner(config, ...) -> printed table."""
   import shlex
@@ -65,9 +79,7 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
   import jax
   from absl import app, logging
 
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  mesh = setup()
+  mesh = start(argv)
   if mesh is not None and not mesh_ok:
     raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device (teacher forcing and "
                          "the hit-rate probes are not sharded); drop --mesh")
@@ -75,10 +87,8 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
   logging.info("devices: %s; mesh: %s", jax.devices(), mesh)
   command = shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
   kwargs = {"mesh": mesh} if mesh_ok else {}
-  try:
+  with bad_input_as_usage():
     result = runner(config, command=command, log=logging.info, **kwargs)
-  except user_errors() as e:
-    raise app.UsageError(f"{type(e).__name__}: {e}") from None
   print(result.table)
   print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
         f"written to {config.output_dir}/")

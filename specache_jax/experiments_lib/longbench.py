@@ -14,7 +14,6 @@ import json
 import pathlib
 import time
 
-
 from specache_jax.data import longbench as lb
 from specache_jax.experiments_lib import methods, models, report
 from specache_jax.experiments_lib.store import ResultStore, atomic_write_json, atomic_write_text, fingerprint

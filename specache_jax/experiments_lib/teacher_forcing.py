@@ -71,9 +71,8 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
     logits, cache, _ = forward(params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
     hit = (guess == target_B).astype(jnp.int32)
-    observe = getattr(method.impl, "observe_speculation", None)
-    if two_rows and observe is not None:     # as decode.generate_jit: tell the method when its guess missed
-      cache = cache.replace(layers=observe(method, cache.layers, guess != target_B))
+    if two_rows:                              # as decode.generate_jit: tell the method when its guess missed
+      cache = decode.observe_speculation(method, cache, guess != target_B)
     guess = jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32) if two_rows else guess
     return (cache, guess), (nll, hit)
 
