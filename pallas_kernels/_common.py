@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-BITS = (1, 2, 4, 8)
+from pallas_kernels import BITS
+
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dimension >= 16.
 
 

@@ -29,14 +29,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-BITS = (1, 2, 4, 8)
+from pallas_kernels import BITS
+
 ONE_BIT_RULES = ("specache", "kivi")
 
 
 def validate(bits: int, group_size: int, head_dim: int, residual: int | None = None) -> None:
   """Raises ValueError naming the value and the rule when a quantized cache layout cannot work."""
-  if bits not in BITS:
-    raise ValueError(f"{bits=} is not supported; expected one of {BITS}")
+  _check_bits(bits)
   if group_size <= 0:
     raise ValueError(f"{group_size=} must be > 0")
   if head_dim % group_size:

@@ -2,7 +2,7 @@
 before anything is compiled. Every error names the value and the rule it broke.
 
 `check_generate` is what `sj.generate` runs; `check_forward` what `sj.forward` runs. The per-object rules that
-also run at construction (ModelConfig.__post_init__, each cache config's __post_init__/validate) are re-run
+also run at construction (ModelConfig.validate, each cache config's __post_init__/validate) are re-run
 here, so a config that was built some other way (dataclasses.replace, object.__setattr__, a pickled copy) is
 still caught before compilation.
 """
@@ -11,10 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from specache_jax.model.config import ROPE_TYPES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
-
-PARAM_DTYPES = ("float32", "bfloat16", "float16")   # float64 too when jax_enable_x64 is on
+from specache_jax import decode
+from specache_jax.arrays import DTYPES
+from specache_jax.caches.base import CacheConfig
+from specache_jax.errors import ConfigError
+from specache_jax.model.config import ModelConfig
+from specache_jax.model.init import param_shapes
 
 
 # ----- model config and params -----
@@ -22,28 +26,7 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")   # float64 too when jax_enabl
 def check_model_config(cfg) -> None:
   if not isinstance(cfg, ModelConfig):
     raise ConfigError(f"model config {cfg!r} must be a specache_jax ModelConfig")
-  if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-    raise ConfigError(f"architecture={cfg.architecture!r} is not supported; expected one of "
-                      f"{SUPPORTED_ARCHITECTURES} (LLaMA-family decoders)")
-  for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_position"):
-    value = getattr(cfg, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      raise ConfigError(f"{field}={value!r} must be a positive integer")
-  if cfg.n_heads % cfg.n_kv_heads:
-    raise ConfigError(f"n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
-  if cfg.head_dim % 2:
-    raise ConfigError(f"head_dim={cfg.head_dim} must be even for RoPE")
-  if not cfg.norm_eps > 0:
-    raise ConfigError(f"norm_eps={cfg.norm_eps} must be > 0")
-  if not cfg.rope_theta > 0:
-    raise ConfigError(f"rope_theta={cfg.rope_theta} must be > 0")
-  if cfg.rope_scaling.rope_type not in ROPE_TYPES:
-    raise ConfigError(f"rope_type={cfg.rope_scaling.rope_type!r} is not supported; expected one of {ROPE_TYPES}")
-  for name, ids in (("eos_token_ids", cfg.eos_token_ids),
-                    ("bos_token_id", () if cfg.bos_token_id is None else (cfg.bos_token_id,))):
-    bad = [i for i in ids if not 0 <= int(i) < cfg.vocab_size]
-    if bad:
-      raise ConfigError(f"{name}={bad} lie outside the vocabulary [0, vocab_size={cfg.vocab_size})")
+  cfg.validate()
 
 
 def _x64() -> bool:
@@ -58,14 +41,13 @@ def check_param_dtype(path: str, dtype) -> None:
       raise ConfigError(f"param {path} has dtype=float64 but jax_enable_x64 is off, so JAX would silently run "
                         "it as float32: cast the params (e.g. to float32) or enable x64")
     return
-  if name not in PARAM_DTYPES:
+  if name not in DTYPES:
     raise ConfigError(f"param {path} has dtype={name}, which the decoder cannot run; params must be one of "
-                      f"{PARAM_DTYPES} (quantized checkpoints are dequantized on load)")
+                      f"{tuple(DTYPES)} (quantized checkpoints are dequantized on load)")
 
 
 def check_params(params, cfg: ModelConfig) -> None:
   """Structure, shapes (model/init.param_shapes) and dtypes of the params."""
-  from specache_jax.model.init import param_shapes
   want = param_shapes(cfg)
   if not isinstance(params, dict):
     raise ConfigError(f"params must be a nested dict (DESIGN.md), got {type(params).__name__}")
@@ -145,7 +127,6 @@ def check_stop_tokens(cfg: ModelConfig, stop_tokens) -> None:
 # ----- cache config and mesh -----
 
 def check_cache_config(method, cfg: ModelConfig, max_len: int) -> None:
-  from specache_jax.caches.base import CacheConfig
   if not isinstance(method, CacheConfig):
     raise ConfigError(f"cache={method!r} must be a cache method config from sj.cache_config(...) or a name")
   if hasattr(method, "__post_init__"):
@@ -155,7 +136,6 @@ def check_cache_config(method, cfg: ModelConfig, max_len: int) -> None:
 
 def check_mesh(mesh, cfg: ModelConfig, batch: int) -> None:
   """A ("data", "model") mesh whose axis sizes divide the batch and the heads / MLP hidden."""
-  from jax.sharding import Mesh
   if not isinstance(mesh, Mesh):
     raise ConfigError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see sharding.make_mesh)")
   sizes = dict(mesh.shape)
@@ -180,15 +160,13 @@ def check_forward(cfg: ModelConfig, params, tokens_BT, lengths_B) -> None:
 def check_generate(cfg: ModelConfig, params, method, tokens_BT, lengths_B, *, max_new_tokens: int,
                    temperature: float, top_p: float, stop_tokens=(), mesh=None) -> int:
   """Everything `sj.generate` needs, in the order a user would fix it. Returns max_len (the cache slots)."""
-  from specache_jax import decode
-  from specache_jax.caches.base import CacheConfig
   check_model_config(cfg)
   if not isinstance(method, CacheConfig):
     raise ConfigError(f"cache={method!r} must be a cache method config from sj.cache_config(...) or a name")
   check_sampling(max_new_tokens, temperature, top_p)
   check_tokens(cfg, tokens_BT, lengths_B, max_new_tokens, method.decode_width - 1)
   check_stop_tokens(cfg, stop_tokens)
-  max_len = decode.slots_for(method, int(np.max(lengths_B)), max_new_tokens)
+  max_len = decode.slots_for(int(np.max(lengths_B)) + max_new_tokens, method.decode_width)
   check_cache_config(method, cfg, max_len)
   check_params(params, cfg)
   if mesh is not None:

@@ -15,7 +15,7 @@ import hf_fixtures as fx
 from specache_jax.checkpoints import CheckpointError, orbax as orbax_io, registry
 from specache_jax.checkpoints.gguf import from_gguf_metadata, load_gguf, permute_qk, unpermute_qk
 from specache_jax.checkpoints.hf import load_hf
-from specache_jax.model.config import ConfigError
+from specache_jax.errors import ConfigError
 from specache_jax.model.init import param_shapes
 
 torch = pytest.importorskip("torch")

@@ -12,8 +12,8 @@ from specache_jax.caches import attention as A
 from specache_jax.caches import h2o, streaming
 from specache_jax.caches.budget import device_bytes_at, matched_budget
 from specache_jax.decode import init_cache
+from specache_jax.errors import ConfigError
 from specache_jax.model import decoder
-from specache_jax.model.config import ConfigError
 from specache_jax.model.decoder import forward_jit as forward
 from tests.tiny import random_prompts, tiny_model
 

@@ -160,8 +160,8 @@ def test_longbench_on_fixtures_resumes_and_scores(tiny, tmp_path):
       assert [x["_id"] for x in lines] == [ex.id for ex in examples]
       rescored = lb.scorer(task, [x["pred"] for x in lines], [x["answers"] for x in lines],
                            examples[0].all_classes)
-      assert res.scores[label][task] == rescored
-  assert json.loads((tmp_path / "scores.json").read_text()) == res.scores
+      assert res.records[label][task] == rescored
+  assert json.loads((tmp_path / "scores.json").read_text()) == res.records
   assert "| TREC | LCC |" in res.table.splitlines()[0].replace("Method | ", "")
 
 
@@ -240,9 +240,9 @@ def test_ablations_join_niah_and_perplexity(tiny, tmp_path):
   res = ablations.run(cfg, model=tiny, log=lambda *_: None)
   labels = cfg.run_methods.split(",")
   for label in labels:
-    row = res.rows[label]
+    row = res.records[label]
     assert row["niah_cells"] == 1 and set(row["ppl"]) == {"0–128", "128–300"}
-  assert res.rows["k0"]["settings"]["topk"] == 0 and res.rows["non_speculative"]["spec_hit_rate"] is None
+  assert res.records["k0"]["settings"]["topk"] == 0 and res.records["non_speculative"]["spec_hit_rate"] is None
   assert (tmp_path / "niah" / "results.json").exists() and (tmp_path / "perplexity" / "results.json").exists()
   lines = res.table.splitlines()
   assert [line.split("|")[1].strip() for line in lines[2:]] == labels
@@ -301,7 +301,7 @@ def test_sweep_launchers_without_a_sharded_path_refuse_a_mesh(tmp_path):
 
 def test_a_per_label_option_is_refused_where_the_experiment_ignores_it(tiny, tmp_path):
   """perplexity's spec_row in a NIAH sweep would silently run plain SpeCache: it is an error instead."""
-  from specache_jax.model.config import ConfigError
+  from specache_jax.errors import ConfigError
   cfg = _cfg(niah_cfg, tmp_path)
   cfg.methods.specache_1bit_oracle = dict(name="specache", bits=1, spec_row="text")
   cfg.run_methods = "specache_1bit_oracle"

@@ -9,37 +9,17 @@ every method's state from that, and times the methods in interleaved rounds (rob
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specache_jax.bench import states, timing
+from specache_jax.arrays import tree_nbytes
+from specache_jax.bench import profile, states, timing
+from specache_jax.bench.common import error_reason, random_prompts
 from specache_jax.caches import budget
-from specache_jax.caches.base import tree_nbytes
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model.decoder import forward_jit
-
-
-def random_prompts(seed: int, batch: int, length: int, vocab: int):
-  """Distinct seeded random prompts: tokens [B, T] int32, lengths [B] (all T)."""
-  rs = np.random.RandomState(seed)
-  return rs.randint(0, vocab, size=(batch, length)).astype(np.int32), np.full((batch,), length, np.int32)
-
-
-def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -> dict[str, Any]:
-  """Median seconds of one decode step (first call = compile + run, reported apart)."""
-  holder = {"cache": cache}
-
-  def call():
-    logits, holder["cache"], _ = forward_jit(params, cfg, inp, holder["cache"], method, "decode")
-    return logits, holder["cache"]
-
-  first_s, _ = timing.timed(call)
-  stats = timing.time_calls(call, max(warmup - 1, 0), iters)
-  stats["first_call_s"] = first_s
-  return stats
 
 
 class Stepper:
@@ -87,10 +67,6 @@ def bytes_16bit(config, label: str, cfg, max_len: int, batch: int) -> int:
 
 def _skip(reason: str) -> dict:
   return {"skipped": reason}
-
-
-def _error_reason(e: Exception) -> str:
-  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def run_context(config, model, context: int, deadline: float, log: Callable[[str], None],
@@ -151,29 +127,26 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
         steppers[label].record["device_bytes_16bit"] = bytes_16bit(config, label, cfg, max_len, batch)
         cell["methods"][label] = steppers[label].record
       except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal
-        cell["methods"][label] = _skip(_error_reason(e))
+        cell["methods"][label] = _skip(error_reason(e))
         log(f"context {context} batch {batch} {label}: {cell['methods'][label]['skipped']}")
     try:
       time_interleaved(steppers, config.warmup, config.iters)
     except Exception as e:
       for label in steppers:
-        cell["methods"][label] = _skip(f"while timing: {_error_reason(e)}")
+        cell["methods"][label] = _skip(f"while timing: {error_reason(e)}")
     del steppers
     for label, rec in cell["methods"].items():
       if "step" in rec:
         log(f"context {context} batch {batch} {label}: {rec['step']['median_s'] * 1e3:.1f} ms/step")
-    _add_ratios(cell, config.reference)
+    timing.add_ratios(cell, config.reference, ("step", "device_bytes", "device_bytes_16bit"), measured="step",
+                      value=_median_or_value)
   return cells
 
 
-def _add_ratios(cell: dict, reference: str) -> None:
-  ref = cell["methods"].get(reference, {})
-  for rec in cell["methods"].values():
-    if "step" not in rec:
-      continue
-    rec["step_ratio"] = timing.ratio(rec["step"]["median_s"], ref.get("step", {}).get("median_s"))
-    rec["device_bytes_ratio"] = timing.ratio(rec["device_bytes"], ref.get("device_bytes"))
-    rec["device_bytes_16bit_ratio"] = timing.ratio(rec["device_bytes_16bit"], ref.get("device_bytes_16bit"))
+def _median_or_value(rec: dict, key: str):
+  """A record's number under `key`; for a timing summary (the step) its median seconds."""
+  value = rec.get(key)
+  return value.get("median_s") if isinstance(value, dict) else value
 
 
 def target_check(cells: list[dict], config) -> dict:
@@ -210,7 +183,6 @@ def run(config, model, log: Callable[[str], None] = print) -> dict:
     if time.perf_counter() > deadline:
       result["profiles"].append({"batch": batch, "skipped": "out of time (config.max_seconds)"})
       continue
-    from specache_jax.bench import profile
     label = config.profile_method
     slots = states.cell_slots(int(config.profile_context) - config.margin, config.iters + 2)
     method = exp_methods.build(config, label, model.config, slots, model.params["embed"].dtype)

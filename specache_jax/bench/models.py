@@ -10,8 +10,11 @@ import dataclasses
 
 import jax
 
+from specache_jax.arrays import DTYPES
+from specache_jax.checkpoints.registry import Model
+from specache_jax.errors import ConfigError
 from specache_jax.experiments_lib import models as exp_models
-from specache_jax.model.config import ConfigError, ModelConfig
+from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
 
 RANDOM_PREFIX = "random:"
@@ -30,27 +33,15 @@ SHAPES = {
 }
 
 
-@dataclasses.dataclass
-class BenchModel:
-  config: ModelConfig
-  params: dict
-  source: str            # what was loaded, in words (recorded in the result file)
-
-
-def load(name: str, dtype: str = "", seed: int = 0) -> BenchModel:
+def load(name: str, dtype: str = "", seed: int = 0) -> Model:
   """`random:<shape>` (a key of SHAPES), or anything `experiments_lib.models.load` accepts."""
   if name.startswith(RANDOM_PREFIX):
     shape = name[len(RANDOM_PREFIX):]
     if shape not in SHAPES:
       raise ConfigError(f"model={name!r}: random shape {shape!r} must be one of {sorted(SHAPES)}")
-    if dtype and dtype not in exp_models.DTYPES:
-      raise ConfigError(f"dtype={dtype!r} must be '' or one of {sorted(exp_models.DTYPES)}")
+    if dtype and dtype not in DTYPES:
+      raise ConfigError(f"dtype={dtype!r} must be '' or one of {sorted(DTYPES)}")
     cfg = ModelConfig(**SHAPES[shape], name=name)
-    params = init_params(cfg, jax.random.key(seed), exp_models.DTYPES.get(dtype or "float32"))
-    return BenchModel(cfg, params, f"random weights (seed {seed}) with {shape}'s shape")
-  model = exp_models.load(name, dtype)
-  return BenchModel(model.config, model.params, f"checkpoint {name!r}")
-
-
-def params_bytes(params) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    params = init_params(cfg, jax.random.key(seed), DTYPES.get(dtype or "float32"))
+    return Model(cfg, params, None, f"random weights (seed {seed}) with {shape}'s shape")
+  return dataclasses.replace(exp_models.load(name, dtype), source=f"checkpoint {name!r}")

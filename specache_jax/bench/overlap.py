@@ -25,20 +25,12 @@ import time
 
 import jax
 
+from specache_jax.arrays import Ready
 from specache_jax.bench import models, states, timing
-from specache_jax.bench.caches import random_prompts
-from specache_jax.bench.throughput import RuntimeDriver
+from specache_jax.bench.common import RuntimeDriver, random_prompts
 from specache_jax.caches import cache_config
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-class _Held:
-  def __init__(self, value):
-    self._value = value
-
-  def result(self):
-    return self._value
 
 
 class ResidentStore:
@@ -52,7 +44,7 @@ class ResidentStore:
   def fetch(self, layer, kappa_BKX):
     del kappa_BKX
     st = self._rt.states[layer]
-    return _Held((st.fetched_k, st.fetched_v))
+    return Ready((st.fetched_k, st.fetched_v))
 
   def __getattr__(self, name):
     return getattr(self._store, name)

@@ -19,16 +19,32 @@ Axis letters as in caches/attention.py.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from specache_jax.arrays import tree_nbytes
 from specache_jax.bench import states, timing
-from specache_jax.bench.caches import random_prompts, time_decode_step
+from specache_jax.bench.common import random_prompts
 from specache_jax.caches import attention as A
 from specache_jax.caches import cache_config, lowbit
 from specache_jax.caches import specache as sc
-from specache_jax.caches.base import tree_nbytes
+from specache_jax.model.decoder import forward_jit
+
+
+def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -> dict[str, Any]:
+  """Median seconds of one decode step (first call = compile + run, reported apart)."""
+  holder = {"cache": cache}
+
+  def call():
+    logits, holder["cache"], _ = forward_jit(params, cfg, inp, holder["cache"], method, "decode")
+    return logits, holder["cache"]
+
+  first_s, _ = timing.timed(call)
+  stats = timing.time_calls(call, max(warmup - 1, 0), iters)
+  stats["first_call_s"] = first_s
+  return stats
 
 
 def _layer0(tree):

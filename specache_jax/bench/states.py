@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from specache_jax import decode
-from specache_jax.caches.base import Cache, CacheConfig, check_int, stack_layers, tree_nbytes
-from specache_jax.model.config import ConfigError
+from specache_jax.arrays import tree_nbytes
+from specache_jax.caches.base import Cache, CacheConfig, check_int, stack_layers
+from specache_jax.errors import ConfigError
 from specache_jax.model.decoder import forward
 
 

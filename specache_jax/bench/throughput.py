@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from specache_jax import decode
+from specache_jax.arrays import tree_nbytes
 from specache_jax.bench import states, timing
-from specache_jax.bench.caches import _error_reason, random_prompts
-from specache_jax.caches.base import tree_nbytes
+from specache_jax.bench.common import error_reason as _error_reason, random_prompts
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model import decoder as dec
 from specache_jax.runtime import OffloadRuntime

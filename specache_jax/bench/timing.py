@@ -5,7 +5,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -94,3 +94,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
   if a is None or b is None or b == 0:
     return None
   return float(a) / float(b)
+
+
+def add_ratios(cell: dict, reference: str, keys: Sequence[str], *, measured: str,
+               value: Callable[[dict, str], Any] = lambda rec, key: rec.get(key)) -> None:
+  """rec[key + "_ratio"] = value(rec, key) / value(reference's rec, key) for each key, in every method record of
+  the cell that has `measured` (the others were skipped); None where the reference has no value."""
+  ref = cell["methods"].get(reference, {})
+  for rec in cell["methods"].values():
+    if measured in rec:
+      for key in keys:
+        rec[key + "_ratio"] = ratio(value(rec, key), value(ref, key))

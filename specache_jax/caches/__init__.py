@@ -6,7 +6,7 @@ import difflib
 import importlib
 
 from specache_jax.caches.base import Cache, CacheConfig  # noqa: F401
-from specache_jax.model.config import ConfigError
+from specache_jax.errors import ConfigError
 
 _METHODS = {
     "full": ("specache_jax.caches.full", "FullConfig"),

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specache_jax.model.config import ConfigError, ModelConfig
+from specache_jax.errors import ConfigError
+from specache_jax.model.config import ModelConfig
 
 
 class CacheConfig:

@@ -11,9 +11,11 @@ import dataclasses
 import jax
 import numpy as np
 
+from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import cache_config
 from specache_jax.caches.base import CacheConfig
-from specache_jax.model.config import ConfigError, ModelConfig
+from specache_jax.errors import ConfigError
+from specache_jax.model.config import ModelConfig
 
 EVICTION_METHODS = ("streaming", "h2o")
 
@@ -26,14 +28,14 @@ class _Sized:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    return tree_nbytes(self)
 
 
-def device_bytes_at(cfg: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
+def device_bytes_at(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
   """The method's accelerator bytes for `batch` rows of `max_len` tokens, from eval_shape (no allocation)."""
-  shapes = jax.eval_shape(lambda: cfg.impl.init(cfg, model_cfg, batch, max_len, dtype))
+  shapes = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
   sized = jax.tree.map(lambda s: _Sized(tuple(s.shape), np.dtype(s.dtype)), shapes)
-  return int(cfg.impl.device_bytes(cfg, sized))
+  return int(method.impl.device_bytes(method, sized))
 
 
 def _smallest_budget(method_name: str, settings: dict) -> int:
@@ -43,15 +45,15 @@ def _smallest_budget(method_name: str, settings: dict) -> int:
   return 1 if recent is None else recent
 
 
-def matched_budget(method_name: str, reference_cfg: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype,
+def matched_budget(method_name: str, reference: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype,
                    **settings) -> CacheConfig:
   """The `method_name` config (other settings as given) with the largest budget whose device bytes at
-  `max_len` (batch 1) do not exceed `reference_cfg`'s: bytes <= reference < bytes with one slot more."""
+  `max_len` (batch 1) do not exceed `reference`'s (the target): bytes <= target < bytes with one slot more."""
   if method_name not in EVICTION_METHODS:
     raise ConfigError(f"method_name={method_name!r} must be one of {EVICTION_METHODS} (a budget-sized method)")
   if "budget" in settings:
     raise ConfigError(f"budget={settings['budget']!r} is what matched_budget computes; do not pass it")
-  target = device_bytes_at(reference_cfg, model_cfg, max_len, dtype)
+  target = device_bytes_at(reference, model_cfg, max_len, dtype)
 
   def bytes_for(budget: int) -> int:
     return device_bytes_at(cache_config(method_name, budget=budget, **settings), model_cfg, max_len, dtype)
@@ -59,7 +61,7 @@ def matched_budget(method_name: str, reference_cfg: CacheConfig, model_cfg: Mode
   lo = _smallest_budget(method_name, settings)
   base, per_slot = bytes_for(lo), bytes_for(lo + 1) - bytes_for(lo)      # bytes are affine in the budget
   if base > target:
-    raise ConfigError(f"{reference_cfg.name} uses {target} device bytes at max_len={max_len}, less than "
+    raise ConfigError(f"{reference.name} uses {target} device bytes at max_len={max_len}, less than "
                       f"{method_name} with its smallest budget={lo} ({base} bytes)")
   budget = lo + (target - base) // per_slot
   method = cache_config(method_name, budget=budget, **settings)

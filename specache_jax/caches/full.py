@@ -7,8 +7,9 @@ import sys
 import jax.numpy as jnp
 from flax import struct
 
+from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
-from specache_jax.caches.base import CacheConfig, stack_layers, tree_nbytes
+from specache_jax.caches.base import CacheConfig, stack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,21 +27,21 @@ class State:
   v: jnp.ndarray   # [B, K, S, H]
 
 
-def init(cfg: FullConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
-  shape = (batch, model_cfg.n_kv_heads, cfg.slots(max_len), model_cfg.head_dim)
+def init(method: FullConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
+  shape = (batch, model_cfg.n_kv_heads, method.slots(max_len), model_cfg.head_dim)
   return stack_layers(model_cfg.n_layers, State(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
 
 
-def prefill(cfg, st: State, k, v, lengths, colsum=None) -> State:
-  del cfg, colsum
+def prefill(method, st: State, k, v, lengths, colsum=None) -> State:
+  del method, colsum
   start = jnp.zeros_like(lengths)
   return State(k=A.write_rows(st.k, jnp.swapaxes(k, 1, 2), start),
                v=A.write_rows(st.v, jnp.swapaxes(v, 1, 2), start))
 
 
-def attend(cfg, st: State, q, k_new, v_new, lengths):
+def attend(method, st: State, q, k_new, v_new, lengths):
   """Every cached slot < lengths plus the new rows (causal); all T new rows are stored."""
-  del cfg
+  del method
   b, t, _, _ = q.shape
   n_kv, s = st.k.shape[1], st.k.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)           # [B, K, T, H]
@@ -51,5 +52,5 @@ def attend(cfg, st: State, q, k_new, v_new, lengths):
   return out, st, {}
 
 
-def device_bytes(cfg, st: State) -> int:
+def device_bytes(method, st: State) -> int:
   return tree_nbytes(st)

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
-from specache_jax.caches.base import CacheConfig, check_int, stack_layers, tree_nbytes
-from specache_jax.model.config import ConfigError
+from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +65,16 @@ class State:
   score: jax.Array   # [B, K, budget] float32 accumulated attention received (0 for empty slots)
 
 
-def init(cfg: H2OConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
+def init(method: H2OConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
   del max_len
-  shape = (batch, model_cfg.n_kv_heads, cfg.budget)
+  shape = (batch, model_cfg.n_kv_heads, method.budget)
   kv = shape + (model_cfg.head_dim,)
   return stack_layers(model_cfg.n_layers, State(
       k=jnp.zeros(kv, dtype), v=jnp.zeros(kv, dtype), pos=jnp.full(shape, -1, jnp.int32),
       score=jnp.zeros(shape, jnp.float32)))
 
 
-def prefill(cfg: H2OConfig, st: State, k, v, lengths, colsum=None) -> State:
+def prefill(method: H2OConfig, st: State, k, v, lengths, colsum=None) -> State:
   """Keep the last `recent` prompt tokens and the top-`heavy` older ones by colsum, per KV head.
 
   k, v [B, T, K, H]; lengths [B]; colsum [B, K, T] float32 (attention received, averaged over the group)."""
@@ -83,11 +84,11 @@ def prefill(cfg: H2OConfig, st: State, k, v, lengths, colsum=None) -> State:
   p = jnp.arange(t, dtype=jnp.int32)[None, None, :]                       # [1, 1, T]
   length = lengths.astype(jnp.int32)[:, None, None]                       # [B, 1, 1]
   valid = p < length
-  recent = valid & (p >= length - cfg.recent_tokens)
+  recent = valid & (p >= length - method.recent_tokens)
   priority = jnp.where(recent, jnp.inf, jnp.where(valid, colsum.astype(jnp.float32), -jnp.inf))
-  if t < cfg.budget:
-    priority = jnp.pad(priority, ((0, 0), (0, 0), (0, cfg.budget - t)), constant_values=-jnp.inf)
-  top, idx = jax.lax.top_k(priority, cfg.budget)                          # [B, K, budget]
+  if t < method.budget:
+    priority = jnp.pad(priority, ((0, 0), (0, 0), (0, method.budget - t)), constant_values=-jnp.inf)
+  top, idx = jax.lax.top_k(priority, method.budget)                       # [B, K, budget]
   order = jnp.sort(jnp.where(top > -jnp.inf, idx, jnp.iinfo(jnp.int32).max), axis=-1)
   pos = jnp.where(order < jnp.iinfo(jnp.int32).max, order, -1).astype(jnp.int32)   # ascending, empties last
   held = pos >= 0
@@ -98,23 +99,23 @@ def prefill(cfg: H2OConfig, st: State, k, v, lengths, colsum=None) -> State:
   return State(k=keys.astype(st.k.dtype), v=values.astype(st.v.dtype), pos=pos, score=score)
 
 
-def evict_slot(cfg: H2OConfig, pos_BKS, score_BKS, p_B):
+def evict_slot(method: H2OConfig, pos_BKS, score_BKS, p_B):
   """The slot [B, K] a token at position p takes: the first empty slot, else the lowest-score slot whose
   token is outside the recent window (position <= p - recent)."""
   p = p_B.astype(jnp.int32)[:, None, None]                                # [B, 1, 1]
-  protected = pos_BKS > p - cfg.recent_tokens
+  protected = pos_BKS > p - method.recent_tokens
   priority = jnp.where(pos_BKS < 0, -jnp.inf, jnp.where(protected, jnp.inf, score_BKS))
   return jnp.argmin(priority, axis=-1).astype(jnp.int32)
 
 
-def attend(cfg: H2OConfig, st: State, q, k_new, v_new, lengths):
+def attend(method: H2OConfig, st: State, q, k_new, v_new, lengths):
   """q [B,T,N,H], k/v_new [B,T,K,H]: attention over the kept slots + new rows, scores updated, then each new
   row t (position lengths + t) inserted with eviction."""
   b, t, n, _ = q.shape
   n_kv = k_new.shape[2]
   g = n // n_kv
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)          # [B, K, T, H]
-  kept = jnp.broadcast_to((st.pos >= 0)[:, :, None, :], (b, n_kv, t, cfg.budget))
+  kept = jnp.broadcast_to((st.pos >= 0)[:, :, None, :], (b, n_kv, t, method.budget))
   out, (p_cached, p_new) = A.segmented_attention(
       q, [(st.k, st.v, kept), (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
   score = st.score + jnp.einsum("bkgts->bks", p_cached) / g               # [B, K, budget]
@@ -124,7 +125,7 @@ def attend(cfg: H2OConfig, st: State, q, k_new, v_new, lengths):
   ki = jnp.arange(n_kv)[None, :]                                          # [1, K]
   for i in range(t):
     p = lengths.astype(jnp.int32) + i                                     # [B]
-    slot = evict_slot(cfg, pos, score, p)                                 # [B, K]
+    slot = evict_slot(method, pos, score, p)                              # [B, K]
     keys = keys.at[bi, ki, slot].set(kn[:, :, i].astype(keys.dtype))
     values = values.at[bi, ki, slot].set(vn[:, :, i].astype(values.dtype))
     pos = pos.at[bi, ki, slot].set(jnp.broadcast_to(p[:, None], (b, n_kv)))
@@ -132,5 +133,5 @@ def attend(cfg: H2OConfig, st: State, q, k_new, v_new, lengths):
   return out, State(k=keys, v=values, pos=pos, score=score), {}
 
 
-def device_bytes(cfg, st: State) -> int:
+def device_bytes(method, st: State) -> int:
   return tree_nbytes(st)

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from specache_jax import quant
+from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
-from specache_jax.model.config import ConfigError
+from specache_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,38 +57,38 @@ class State:
   low: lowbit.LowBit
 
 
-def init(cfg: KiviConfig, model_cfg, batch, max_len, dtype) -> State:
-  cfg.validate(model_cfg, max_len)
-  low = lowbit.init(batch, model_cfg.n_kv_heads, cfg.slots(max_len), model_cfg.head_dim, cfg.bits,
-                    cfg.group_size, cfg.residual, dtype)
+def init(method: KiviConfig, model_cfg, batch, max_len, dtype) -> State:
+  method.validate(model_cfg, max_len)
+  low = lowbit.init(batch, model_cfg.n_kv_heads, method.slots(max_len), model_cfg.head_dim, method.bits,
+                    method.group_size, method.residual, dtype)
   return stack_layers(model_cfg.n_layers, State(low=low))
 
 
-def prefill(cfg: KiviConfig, st: State, k, v, lengths, colsum=None) -> State:
+def prefill(method: KiviConfig, st: State, k, v, lengths, colsum=None) -> State:
   del colsum
   return State(low=lowbit.prefill(st.low, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), lengths,
-                                  **cfg.qargs))
+                                  **method.qargs))
 
 
-def attend(cfg: KiviConfig, st: State, q, k_new, v_new, lengths):
+def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
   b, t, _, _ = q.shape
   n_kv = k_new.shape[2]
-  keys, values = lowbit.dequantized(st.low, bits=cfg.bits, group_size=cfg.group_size)
+  keys, values = lowbit.dequantized(st.low, bits=method.bits, group_size=method.group_size)
   s = keys.shape[2]
-  _, val_qlen = lowbit.boundaries(lengths, cfg.residual)
-  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=cfg.bits, group_size=cfg.group_size,
-                                                 residual=cfg.residual)
+  _, val_qlen = lowbit.boundaries(lengths, method.residual)
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=method.bits, group_size=method.group_size,
+                                                 residual=method.residual)
   ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
-  ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, cfg.residual))
+  ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, method.residual))
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   out, _ = A.segmented_attention(
       q, [(keys, values, A.valid_cols_mask(val_qlen, s, t)), (ring_k, ring_v, ring_mask),
           (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
   low = st.low
   for i in range(t):
-    low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **cfg.qargs)
+    low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **method.qargs)
   return out, State(low=low), {}
 
 
-def device_bytes(cfg, st: State) -> int:
-  return lowbit.nbytes(st.low)
+def device_bytes(method, st: State) -> int:
+  return tree_nbytes(st)

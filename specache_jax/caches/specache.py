@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from specache_jax import quant
+from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
-from specache_jax.caches.base import CacheConfig, check_int, stack_layers, tree_nbytes
-from specache_jax.model.config import ConfigError
+from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
 

@@ -5,37 +5,30 @@ HF's rotate-half RoPE layout). `load_model` (registry.py) picks the loader and c
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from specache_jax.arrays import DTYPES
 
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be loaded: the message names the file or tensor and what was expected."""
 
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 def resolve_dtype(dtype) -> np.dtype:
   """A jnp/np dtype or its name -> a numpy dtype among float32, bfloat16, float16 (else CheckpointError)."""
-  import jax.numpy as jnp
   try:
     resolved = np.dtype(jnp.dtype(dtype))
   except TypeError as err:
-    raise CheckpointError(f"dtype={dtype!r} is not a dtype; expected one of {DTYPE_NAMES}") from err
-  if resolved.name not in DTYPE_NAMES:
-    raise CheckpointError(f"dtype={resolved.name!r} is not supported for weights; expected one of {DTYPE_NAMES}")
+    raise CheckpointError(f"dtype={dtype!r} is not a dtype; expected one of {tuple(DTYPES)}") from err
+  if resolved.name not in DTYPES:
+    raise CheckpointError(f"dtype={resolved.name!r} is not supported for weights; expected one of {tuple(DTYPES)}")
   return resolved
 
 
 def to_jax(params_np: dict, dtype) -> dict:
   """numpy params (any float dtype) -> jax arrays of `dtype` (norms included: the decoder casts as needed)."""
-  import jax
-  import jax.numpy as jnp
   target = resolve_dtype(dtype)
   return jax.tree.map(lambda x: jnp.asarray(np.asarray(x, dtype=target)), params_np)
 
-
-def load_model(*args, **kwargs):
-  """See `specache_jax.checkpoints.registry.load_model`."""
-  from specache_jax.checkpoints.registry import load_model as _load
-  return _load(*args, **kwargs)

@@ -13,7 +13,8 @@ from typing import Callable
 import numpy as np
 
 from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
-from specache_jax.model.config import ConfigError, ModelConfig, from_hf_config
+from specache_jax.errors import ConfigError
+from specache_jax.model.config import ModelConfig, from_hf_config
 from specache_jax.model.init import param_shapes
 
 SINGLE_FILE = "model.safetensors"

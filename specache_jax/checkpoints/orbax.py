@@ -16,6 +16,7 @@ import numpy as np
 from specache_jax.checkpoints import CheckpointError, resolve_dtype
 from specache_jax.model.config import ModelConfig, RopeScaling
 from specache_jax.model.init import param_shapes
+from specache_jax.tokenizer import Tokenizer
 
 MARKER = "specache_model.json"
 FORMAT = "specache_jax/params-v1"
@@ -89,7 +90,6 @@ def restore(directory: str, dtype=None) -> tuple[ModelConfig, dict, Any, str]:
   import jax
   import jax.numpy as jnp
   import orbax.checkpoint as ocp
-  from specache_jax.tokenizer import Tokenizer
   directory = os.path.abspath(directory)
   meta = read_meta(directory)
   cfg = config_from_dict(meta["config"])

@@ -16,10 +16,11 @@ import re
 import shutil
 import tempfile
 import warnings
+from typing import Any
 
 import jax.numpy as jnp
 
-from specache_jax.checkpoints import CheckpointError, orbax as orbax_io, resolve_dtype
+from specache_jax.checkpoints import CheckpointError, gguf, hf, orbax as orbax_io, resolve_dtype
 from specache_jax.model.config import ModelConfig
 from specache_jax.tokenizer import Tokenizer
 
@@ -47,10 +48,11 @@ REGISTRY = {
 
 @dataclasses.dataclass
 class Model:
+  """A model ready to run: what `load_model` returns, and the experiments' and benchmarks' random models."""
   config: ModelConfig
   params: dict
-  tokenizer: Tokenizer | None
-  source: str
+  tokenizer: Any         # a Tokenizer, the tiny-random model's CharTokenizer, or None
+  source: str            # what was loaded: a path, or in words (recorded in result files)
 
   @property
   def name(self) -> str:
@@ -104,16 +106,14 @@ def _slug(text: str) -> str:
 
 def _convert(kind: str, path: str, dtype) -> tuple[ModelConfig, dict, Tokenizer | None]:
   if kind == "gguf":
-    from specache_jax.checkpoints.gguf import load_gguf
-    cfg, params, fields = load_gguf(path, dtype)
+    cfg, params, fields = gguf.load_gguf(path, dtype)
     try:
       tokenizer = Tokenizer.from_gguf_metadata(fields)
     except (ValueError, KeyError) as err:
       warnings.warn(f"{path}: no tokenizer ({err}); model.tokenizer is None")
       tokenizer = None
     return cfg, params, tokenizer
-  from specache_jax.checkpoints.hf import load_hf
-  cfg, params = load_hf(path, dtype)
+  cfg, params = hf.load_hf(path, dtype)
   tokenizer = Tokenizer.from_hf_dir(path)
   if tokenizer is not None and tokenizer.eos_token_ids:
     eos = tuple(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))

@@ -7,7 +7,6 @@ its own sub-folder of `config.output_dir`, and joins their results into `summary
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 import time
@@ -15,18 +14,9 @@ import time
 import ml_collections
 
 from specache_jax.experiments_lib import methods, models, niah, perplexity, report
-from specache_jax.experiments_lib.store import atomic_write_json, atomic_write_text
+from specache_jax.experiments_lib.store import SweepResult, atomic_write_json, atomic_write_text
 
 PARTS = ("niah", "perplexity")
-
-
-@dataclasses.dataclass
-class Result:
-  table: str
-  rows: dict                 # label -> joined record
-  computed: int
-  skipped: int
-  seconds: float
 
 
 def part_config(config, part: str) -> ml_collections.ConfigDict:
@@ -40,7 +30,7 @@ def part_config(config, part: str) -> ml_collections.ConfigDict:
 
 
 def run(config, model=None, command: str = "python -m experiments.ablations --config=configs/ablations.py",
-        log=print) -> Result:
+        log=print) -> SweepResult:
   start = time.time()
   parts = [p.strip() for p in config.run_parts.split(",") if p.strip()]
   bad = [p for p in parts if p not in PARTS]
@@ -60,7 +50,7 @@ def run(config, model=None, command: str = "python -m experiments.ablations --co
     computed, skipped = computed + res.computed, skipped + res.skipped
   rows = joined_rows(config, labels, results)
   table = write_outputs(config, labels, rows, command, time.time() - start)
-  return Result(table, rows, computed, skipped, time.time() - start)
+  return SweepResult(table, rows, computed, skipped, time.time() - start)
 
 
 def joined_rows(config, labels, results) -> dict:

@@ -17,20 +17,11 @@ import numpy as np
 import specache_jax as sj
 from specache_jax.experiments_lib import methods, models, report
 from specache_jax.experiments_lib.perplexity import text_windows
-from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
-
-
-@dataclasses.dataclass
-class Result:
-  table: str
-  records: dict
-  computed: int
-  skipped: int
-  seconds: float
+from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 
 
 def run(config, model=None, command: str = "python -m experiments.hitrate --config=configs/hitrate.py",
-        log=print) -> Result:
+        log=print) -> SweepResult:
   start = time.time()
   model = model or models.load(config.model, config.dtype)
   dtype = model.params["embed"].dtype
@@ -64,7 +55,7 @@ def run(config, model=None, command: str = "python -m experiments.hitrate --conf
     log(f"hit rate {label}: exact {stats.get('exact_hit_rate', float('nan')):.3f}, "
         f"top-k {stats.get('topk_hit_rate', float('nan')):.3f} ({seconds:.1f} s)")
   table = write_outputs(config, store, labels, command, time.time() - start)
-  return Result(table, store.cells, computed, skipped, time.time() - start)
+  return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
 def write_outputs(config, store, labels, command, seconds) -> str:

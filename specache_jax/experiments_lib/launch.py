@@ -8,10 +8,17 @@
 from __future__ import annotations
 
 import contextlib
+import logging as py_logging
+import shlex
+import sys
 
-from absl import flags
+import jax
+from absl import app, flags, logging
 
 from specache_jax import sharding
+from specache_jax.checkpoints import CheckpointError
+from specache_jax.errors import ConfigError
+from specache_jax.offload import MemoryPlanError
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "multi-host: call jax.distributed.initialize() before any JAX work")
@@ -39,10 +46,6 @@ class _QuietLibraries:
 def start(argv):
   """Call first in a launcher's main(): rejects stray arguments, initializes multi-host JAX if asked, quiets
   orbax's INFO lines, returns the mesh (or None)."""
-  import logging as py_logging
-
-  from absl import app
-
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   py_logging.getLogger("absl").addFilter(_QuietLibraries())
@@ -55,16 +58,12 @@ def start(argv):
 
 def user_errors() -> tuple[type, ...]:
   """Exceptions that mean bad input (a config value, a checkpoint, a memory plan): a usage message, no traceback."""
-  from specache_jax.checkpoints import CheckpointError
-  from specache_jax.model.config import ConfigError
-  from specache_jax.offload import MemoryPlanError
   return (ConfigError, CheckpointError, MemoryPlanError)
 
 
 @contextlib.contextmanager
 def bad_input_as_usage(*extra: type):
   """Inside: a user_errors() (or `extra`) exception becomes absl's usage message naming it."""
-  from absl import app
   try:
     yield
   except (*user_errors(), *extra) as e:
@@ -73,12 +72,6 @@ def bad_input_as_usage(*extra: type):
 
 def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "cell(s)") -> None:
   """The body of every sweep launcher: flags -> (distributed, mesh) -> runner(config, ...) -> printed table."""
-  import shlex
-  import sys
-
-  import jax
-  from absl import app, logging
-
   mesh = start(argv)
   if mesh is not None and not mesh_ok:
     raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device (teacher forcing and "

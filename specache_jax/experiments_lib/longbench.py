@@ -9,23 +9,14 @@ official prediction format plus `_id`), and `scores.json` + `summary.md` for all
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
 
 from specache_jax.data import longbench as lb
 from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, atomic_write_json, atomic_write_text, fingerprint
-
-
-@dataclasses.dataclass
-class Result:
-  table: str
-  scores: dict               # method -> task -> score (0-100); LongBench-E tasks -> {bucket: score}
-  computed: int
-  skipped: int
-  seconds: float
+from specache_jax.experiments_lib.store import (ResultStore, SweepResult, atomic_write_json, atomic_write_text,
+                                                fingerprint)
 
 
 def prompt_ids(tokenizer, task: str, example: lb.Example, max_prompt_tokens: int) -> list[int]:
@@ -48,7 +39,7 @@ def generation_length(config, task: str) -> int:
 
 
 def run(config, model=None, command: str = "python -m experiments.longbench --config=configs/longbench.py",
-        log=print, mesh=None) -> Result:
+        log=print, mesh=None) -> SweepResult:
   start = time.time()
   if not config.data_dir:
     raise ValueError("config.data_dir is empty: point it at a directory of LongBench jsonl files "
@@ -91,7 +82,7 @@ def run(config, model=None, command: str = "python -m experiments.longbench --co
   scores = score_all(store, labels, data)
   table = write_summary(config, scores, data, command, time.time() - start)
   log(f"longbench: {computed} prediction(s) computed, {skipped} reused")
-  return Result(table, scores, computed, skipped, time.time() - start)
+  return SweepResult(table, scores, computed, skipped, time.time() - start)
 
 
 def write_predictions(out_dir: pathlib.Path, store: ResultStore, label: str, task: str, examples) -> None:

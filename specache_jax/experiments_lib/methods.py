@@ -13,7 +13,9 @@ from typing import Any, Mapping
 
 from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
-from specache_jax.model.config import ConfigError, ModelConfig
+from specache_jax.caches.budget import matched_budget
+from specache_jax.errors import ConfigError
+from specache_jax.model.config import ModelConfig
 
 
 def _as_dict(spec) -> dict[str, Any]:
@@ -70,14 +72,7 @@ def build(config, label: str, model_cfg: ModelConfig, max_len: int, dtype,
   if match == label:
     raise ConfigError(f"config.methods.{label}.match={match!r} cannot match itself")
   ref = build(config, match, model_cfg, max_len, dtype, run_options=RUN_OPTIONS)   # only its bytes matter
-  from specache_jax.caches.budget import matched_budget
   return matched_budget(name, ref, model_cfg, max_len, dtype, **spec)
-
-
-def device_bytes(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
-  """Accelerator bytes of the method's state for `batch` rows of `max_len` tokens (from shapes only)."""
-  from specache_jax.caches.budget import device_bytes_at
-  return device_bytes_at(method, model_cfg, max_len, dtype, batch)
 
 
 def describe(method: CacheConfig) -> dict[str, Any]:

@@ -7,18 +7,19 @@ noise: use it to exercise the pipeline, never to read accuracy off. Every other 
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax.api import generate
+from specache_jax.arrays import DTYPES
+from specache_jax.checkpoints.registry import Model, load_model
 from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
 
 TINY_PREFIX = "tiny-random"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class CharTokenizer:
@@ -38,14 +39,6 @@ class CharTokenizer:
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-@dataclasses.dataclass
-class Model:
-  config: ModelConfig
-  params: dict
-  tokenizer: object
-  name: str = ""
-
-
 def tiny_random(seed: int = 0, dtype=jnp.float32, max_position: int = 4096) -> Model:
   """head_dim 64 so the paper's group sizes (32, 64) and the launchers' default settings apply unchanged."""
   cfg = ModelConfig(architecture="llama", vocab_size=CharTokenizer.vocab_size, dim=64, n_layers=2, n_heads=4,
@@ -61,9 +54,8 @@ def load(name: str, dtype: str = "") -> Model:
   if name == TINY_PREFIX or name.startswith(TINY_PREFIX + ":"):
     seed = int(name.split(":", 1)[1]) if ":" in name else 0
     return tiny_random(seed, DTYPES.get(dtype, jnp.float32))
-  import specache_jax as sj
   kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
-  return sj.load_model(name, **kwargs)
+  return load_model(name, **kwargs)
 
 
 def chat_ids(tokenizer, user_text: str) -> list[int]:
@@ -95,11 +87,10 @@ def generate_rows(model, prompts, *, mesh=None, return_stats: bool = False, **kw
   On a mesh the batch is padded to a multiple of its data axis by repeating the last prompt (a sweep's last
   batch, or one prompt, need not divide it); the padded rows are dropped from the outputs.
   """
-  import specache_jax as sj
   n = len(prompts)
   rows = list(prompts)
   if mesh is not None and n:
     rows += [rows[-1]] * (-n % int(dict(mesh.shape)["data"]))
-  result = sj.generate(model, rows, mesh=mesh, return_stats=return_stats, **kwargs)
+  result = generate(model, rows, mesh=mesh, return_stats=return_stats, **kwargs)
   out, stats = result if return_stats else (result, None)
   return to_host(out.tokens)[:n], to_host(out.num_tokens)[:n], stats

@@ -14,19 +14,11 @@ import time
 
 import numpy as np
 
+from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
 from specache_jax.data import niah as niah_data
 from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
-
-
-@dataclasses.dataclass
-class Result:
-  table: str                 # the markdown table printed by the launcher
-  records: dict              # cell id -> record
-  computed: int              # cells computed by this call
-  skipped: int               # cells reused from the result file
-  seconds: float
+from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 
 
 def cell_id(label: str, length: int, depth: float) -> str:
@@ -76,7 +68,7 @@ def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], C
 
 
 def run(config, model=None, command: str = "python -m experiments.niah --config=configs/niah.py",
-        log=print, mesh=None) -> Result:
+        log=print, mesh=None) -> SweepResult:
   start = time.time()
   model = model or models.load(config.model, config.dtype)
   dtype = model.params["embed"].dtype
@@ -106,7 +98,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
                                          stop_tokens=stops, mesh=mesh)
     seconds = time.time() - t0
     info = dict(method=label, length=n, settings=methods.describe(method), batch_seconds=seconds,
-                device_bytes=methods.device_bytes(method, model.config, max_len, dtype))
+                device_bytes=device_bytes_at(method, model.config, max_len, dtype))
     recs = {}
     for j, d in enumerate(todo):
       answer = models.decode_answer(model.tokenizer, toks[j], int(nums[j]), stops)
@@ -118,7 +110,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     log(f"niah {label} @ {n} tokens: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
         f"({seconds:.1f} s)")
   table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start)
-  return Result(table, store.cells, computed, skipped, time.time() - start)
+  return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
 def summary_table(store: ResultStore, labels, lengths, depths) -> tuple[str, list[str]]:

@@ -7,7 +7,6 @@ Cells (one per method × window) are stored as they finish; a restarted run skip
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 import time
@@ -16,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
 from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
+from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 from specache_jax.experiments_lib.teacher_forcing import max_len_for, teacher_forced_nll
 
 CURVE_BLOCK = 128  # positions per point of the plotted curve
@@ -58,15 +58,6 @@ def text_windows(tokenizer, corpus: str, num_windows: int, window_tokens: int) -
   return np.asarray(ids[:need], np.int32).reshape(num_windows, window_tokens)
 
 
-@dataclasses.dataclass
-class Result:
-  table: str                 # the markdown table (methods × buckets)
-  records: dict              # cell id -> record
-  computed: int              # cells computed by this call
-  skipped: int               # cells reused from the result file
-  seconds: float
-
-
 def score_cells(nll_WT: np.ndarray, prefix: int, buckets) -> list[dict]:
   """Per window: NLL sums and counts per bucket, and the mean NLL per CURVE_BLOCK positions."""
   out = []
@@ -84,7 +75,7 @@ def score_cells(nll_WT: np.ndarray, prefix: int, buckets) -> list[dict]:
 
 
 def run(config, model=None, command: str = "python -m experiments.perplexity --config=configs/perplexity.py",
-        log=print) -> Result:
+        log=print) -> SweepResult:
   start = time.time()
   model = model or models.load(config.model, config.dtype)
   dtype = model.params["embed"].dtype
@@ -118,7 +109,7 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
       raise FloatingPointError(f"method {label}: non-finite NLL in windows {todo}")
     steps = t - config.prefix_tokens - 1
     info = dict(method=label, settings=methods.describe(method), spec_row=spec_row, seconds=seconds,
-                device_bytes=methods.device_bytes(method, model.config, max_len_for(t), dtype))
+                device_bytes=device_bytes_at(method, model.config, max_len_for(t), dtype))
     recs = {ids[w]: dict(info, window=w, spec_hit_rate=(float(h) / steps if method.decode_width == 2 else None),
                          **cell)
             for w, h, cell in zip(todo, hits, score_cells(nll, config.prefix_tokens, buckets))}
@@ -126,7 +117,7 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
     computed += len(recs)
     log(f"perplexity {label}: {len(todo)} window(s) of {t} tokens in {seconds:.1f} s")
   table = write_outputs(config, store, labels, buckets, command, time.time() - start)
-  return Result(table, store.cells, computed, skipped, time.time() - start)
+  return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
 def pooled(cells: dict, label: str, n_windows: int):

@@ -12,10 +12,22 @@ import hashlib
 import json
 import os
 import pathlib
+import dataclasses
 import tempfile
 import time
 import uuid
 from typing import Any, Iterable, Mapping
+
+
+@dataclasses.dataclass
+class SweepResult:
+  """What every experiment's `run` returns."""
+  table: str                 # the markdown table the launcher prints
+  records: dict              # the sweep's results: cell id -> record (ablations: label -> joined row;
+                             # longbench: method -> task -> score)
+  computed: int              # cells computed by this call
+  skipped: int               # cells reused from the result file
+  seconds: float
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

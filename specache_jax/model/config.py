@@ -8,12 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from specache_jax.errors import ConfigError
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(ValueError):
-  """A model, cache or run configuration that cannot work, with the value and the rule it broke."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +24,9 @@ class RopeScaling:
   original_max_position: int = 8192   # llama3
 
   def __post_init__(self):
+    self.validate()
+
+  def validate(self) -> None:
     if self.rope_type not in ROPE_TYPES:
       raise ConfigError(f"rope_type={self.rope_type!r} is not supported; expected one of {ROPE_TYPES}")
     if self.factor <= 0:
@@ -55,21 +56,36 @@ class ModelConfig:
   name: str = ""
 
   def __post_init__(self):
+    self.validate()
+
+  def validate(self) -> None:
+    """Every rule on the config alone (run at construction, and again by `validation.check_model_config` for a
+    config built some other way: object.__setattr__, a pickled copy)."""
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ConfigError(f"architecture={self.architecture!r} is not supported; expected one of "
                         f"{SUPPORTED_ARCHITECTURES} (LLaMA-family decoders)")
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                   "max_position"):
       value = getattr(self, field)
-      if not isinstance(value, int) or value <= 0:
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{field}={value!r} must be a positive integer")
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+    if not self.norm_eps > 0:
+      raise ConfigError(f"norm_eps={self.norm_eps} must be > 0")
+    if not self.rope_theta > 0:
+      raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
+    self.rope_scaling.validate()
+    for name, ids in (("eos_token_ids", self.eos_token_ids),
+                      ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,))):
+      bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+      if bad:
+        raise ConfigError(f"{name}={bad} lie outside the vocabulary [0, vocab_size={self.vocab_size})")
 
   @property
-  def group_size(self) -> int:
+  def q_per_kv(self) -> int:
     """G: query heads per KV head."""
     return self.n_heads // self.n_kv_heads
 

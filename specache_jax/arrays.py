@@ -1,0 +1,29 @@
+"""Array basics below every other module: the weight dtypes by name, the bytes of a pytree, a result that is
+already dispatched."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The dtypes weights (and so activations and 16-bit caches) may have, by name: checkpoints load to them, the
+# decoder runs them, configs name them (float64 runs too when jax_enable_x64 is on; validation says so).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def tree_nbytes(tree) -> int:
+  """Bytes of every array leaf, from its shape and dtype (so also of `jax.eval_shape`'s ShapeDtypeStructs)."""
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+class Ready:
+  """A result whose arrays are already dispatched (they become ready asynchronously); `result()` returns it,
+  as a `concurrent.futures.Future` would."""
+
+  def __init__(self, value):
+    self._value = value
+
+  def result(self):
+    return self._value

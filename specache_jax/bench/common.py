@@ -1,0 +1,59 @@
+"""What the benchmarks share: seeded random prompts, a failure in a few words, and greedy decoding through the
+offload runtime with the next input kept on the device (`RuntimeDriver`)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specache_jax.model import decoder as dec
+from specache_jax.runtime import OffloadRuntime
+
+
+def random_prompts(seed: int, batch: int, length: int, vocab: int):
+  """Distinct seeded random prompts: tokens [B, T] int32, lengths [B] (all T)."""
+  rs = np.random.RandomState(seed)
+  return rs.randint(0, vocab, size=(batch, length)).astype(np.int32), np.full((batch,), length, np.int32)
+
+
+def error_reason(e: Exception) -> str:
+  """Why a cell was skipped: the exception's type and the first line of its message."""
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def greedy_rows(params, x_BWD, *, cfg):
+  """Argmax of the LM head at every row: [B, W] int32 (row 0 the real token, row 1 the speculative one)."""
+  return jnp.argmax(dec.lm_head(params, cfg, x_BWD), axis=-1).astype(jnp.int32)
+
+
+class RuntimeDriver:
+  """Greedy decoding through an `OffloadRuntime` with the next input kept on the device."""
+
+  def __init__(self, model, method, batch: int, max_len: int, prompt_len: int):
+    self.params, self.cfg, self.method = model.params, model.config, method
+    self.rt = OffloadRuntime(model.params, model.config, method, batch, max_len, prompt_len=prompt_len)
+
+  def prefill(self, tokens_BT, lengths_B):
+    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches)."""
+    lengths = jnp.asarray(lengths_B, jnp.int32)
+    logits = self.rt.prefill(jnp.asarray(tokens_BT), lengths)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not self.method.speculative:
+      return first[:, None], lengths, None
+    x, pending = self.rt.predecode(first, lengths)
+    spec = greedy_rows(self.params, x, cfg=self.cfg)                        # [B, 1]
+    return jnp.concatenate([first[:, None], spec], axis=1), lengths, pending
+
+  def step(self, carry):
+    inp, lengths, pending = carry
+    x, pending = self.rt.step(inp, lengths, pending)
+    return greedy_rows(self.params, x, cfg=self.cfg), lengths + 1, pending
+
+  def sync(self, carry):
+    """What must be finished for the steps so far to count as done (incl. the issued fetches and appends)."""
+    inp, lengths, pending = carry
+    fetched = [p.result() for p in pending] if pending else []
+    return inp, lengths, fetched, self.rt.states, self.rt.store.arrays()
