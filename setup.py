@@ -1,0 +1,19 @@
+"""Package layout (the metadata is in pyproject.toml).
+
+Besides the library (`specache_jax`, `pallas_kernels`) the wheel ships the launchers (`experiments`) and their
+`get_config()` files (`configs`, as in the checkout: `from configs import niah`), and the committed Austen texts:
+`data/austen/` of the checkout becomes `specache_jax/data/austen/` of the wheel, where
+`specache_jax.data.corpora` finds them when no checkout is around.
+"""
+from __future__ import annotations
+
+import setuptools
+
+AUSTEN = "specache_jax.data.austen"
+packages = setuptools.find_packages(include=["specache_jax", "specache_jax.*", "pallas_kernels",
+                                             "pallas_kernels.*", "experiments", "experiments.*", "configs"])
+setuptools.setup(
+    packages=packages + [AUSTEN],
+    package_dir={AUSTEN: "data/austen"},
+    package_data={AUSTEN: ["*.txt", "SOURCE.md"], "experiments": ["*.sh"]},
+)
