@@ -8,6 +8,8 @@ how a method mixes low-bit columns, 16-bit fetched rows, a residual window and t
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -86,9 +88,134 @@ def gather_rows(buf_BKSH, idx_BKX):
   return jnp.take_along_axis(buf_BKSH, idx[..., None], axis=2)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillBlocks:
+  """Tile sizes of the blockwise prefill attention: query rows and key columns per step."""
+  block_q: int = 256   # query positions per block (each block holds block_q * G rows of one KV head)
+  block_k: int = 256   # key columns per step of the online softmax
+
+  def validate(self) -> "PrefillBlocks":
+    for name, size in (("block_q", self.block_q), ("block_k", self.block_k)):
+      if not isinstance(size, int) or size < 8 or size % 8:
+        raise ValueError(f"{name}={size!r} must be an int multiple of 8")
+    return self
+
+
+def _block_logits(q_BKRH, k_BKSH, col0, limit_BR, masked: bool):
+  """Logits of a query block against key columns [col0, col0 + S); if masked, column c > limit[row] -> MASKED."""
+  s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKSH)
+  if not masked:
+    return s_BKRS
+  col_S = col0 + jnp.arange(k_BKSH.shape[2])
+  visible_BRS = col_S[None, None, :] <= limit_BR[:, :, None]
+  return jnp.where(visible_BRS[:, None], s_BKRS, MASKED)
+
+
+def _kv_blocks_needed(i, block_q: int, block_k: int, n_kv_blocks: int, max_len):
+  """Key blocks query block i reads: up to its last row's diagonal and the longest prompt, no further."""
+  causal = ((i + 1) * block_q + block_k - 1) // block_k
+  valid = (max_len + block_k - 1) // block_k
+  return jnp.minimum(jnp.minimum(causal, valid), n_kv_blocks)
+
+
+def _kv_blocks_unmasked(limit_BR, block_k: int, n_steps):
+  """Leading key blocks every row of a query block sees whole (no mask needed): columns <= min limit."""
+  return jnp.minimum((jnp.min(limit_BR) + 1) // block_k, n_steps)
+
+
 def prefill_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_colsum: bool,
-                      chunk: int = 1024):
-  """Causal self-attention over a right-padded prompt, queries in chunks to bound memory.
+                      blocks: PrefillBlocks = PrefillBlocks()):
+  """Causal self-attention over a right-padded prompt, blockwise (flash-style online softmax).
+
+  Query blocks of `block_q` positions (times the G heads of a KV head) walk the key blocks up to their
+  diagonal (and the longest prompt) with a running max and normaliser; blocks above the diagonal are never
+  computed and no [T, T] matrix is formed. Row t of prompt b sees keys j <= min(t, lengths[b] - 1), so rows
+  past a prompt's length (padding) attend to the whole prompt, as the dense reference does.
+  Returns out [B,T,N,H] (q.dtype) and, if want_colsum, the attention each key received summed over valid
+  query rows and averaged over the G heads of its group: colsum [B, K, T] float32 (what H2O accumulates),
+  from a second pass over the same blocks with each row's final log-sum-exp.
+  """
+  blocks.validate()
+  b, t, n, h = q_BTNH.shape
+  n_kv = k_BTKH.shape[2]
+  g = n // n_kv
+  bq, bk = (t, t) if t <= min(blocks.block_q, blocks.block_k) else (blocks.block_q, blocks.block_k)
+  n_q_blocks, n_kv_blocks = -(-t // bq), -(-t // bk)
+  tq, tk = n_q_blocks * bq, n_kv_blocks * bk
+  rows = bq * g                                                           # R: (position, group head) pairs
+
+  q = (q_BTNH.astype(jnp.float32) * sm_scale).reshape(b, t, n_kv, g, h)
+  q = jnp.pad(q, ((0, 0), (0, tq - t), (0, 0), (0, 0), (0, 0)))
+  q_QBKRH = jnp.transpose(q.reshape(b, n_q_blocks, bq, n_kv, g, h), (1, 0, 3, 2, 4, 5)).reshape(
+      n_q_blocks, b, n_kv, rows, h)                                       # row r = position * G + group head
+  keys_BKSH = jnp.pad(jnp.swapaxes(k_BTKH.astype(jnp.float32), 1, 2), ((0, 0), (0, 0), (0, tk - t), (0, 0)))
+  values_BKSH = jnp.pad(jnp.swapaxes(v_BTKH.astype(jnp.float32), 1, 2), ((0, 0), (0, 0), (0, tk - t), (0, 0)))
+  lengths_B = lengths_B.astype(jnp.int32)
+  pos_T = jnp.arange(tq, dtype=jnp.int32)
+  limit_BT = jnp.minimum(pos_T[None, :], lengths_B[:, None] - 1)          # last key column each row sees
+  limit_QBR = jnp.swapaxes(jnp.repeat(limit_BT, g, axis=1).reshape(b, n_q_blocks, rows), 0, 1)
+  max_len = jnp.max(lengths_B)
+  block_ids = jnp.arange(n_q_blocks, dtype=jnp.int32)
+
+  def query_block(_, xs):
+    i, q_BKRH, limit_BR = xs
+
+    def kv_step(j, state, masked: bool):
+      m_BKR, l_BKR, acc_BKRH = state
+      col0 = j * bk
+      k_BKSH = jax.lax.dynamic_slice_in_dim(keys_BKSH, col0, bk, axis=2)
+      v_BKSH = jax.lax.dynamic_slice_in_dim(values_BKSH, col0, bk, axis=2)
+      s_BKRS = _block_logits(q_BKRH, k_BKSH, col0, limit_BR, masked)
+      m_new_BKR = jnp.maximum(m_BKR, jnp.max(s_BKRS, axis=-1))
+      p_BKRS = jnp.exp(s_BKRS - m_new_BKR[..., None])
+      rescale_BKR = jnp.exp(m_BKR - m_new_BKR)
+      l_BKR = l_BKR * rescale_BKR + jnp.sum(p_BKRS, axis=-1)
+      acc_BKRH = acc_BKRH * rescale_BKR[..., None] + jnp.einsum("bkrs,bksh->bkrh", p_BKRS, v_BKSH)
+      return m_new_BKR, l_BKR, acc_BKRH
+
+    init = (jnp.full((b, n_kv, rows), MASKED, jnp.float32), jnp.zeros((b, n_kv, rows), jnp.float32),
+            jnp.zeros((b, n_kv, rows, h), jnp.float32))
+    n_steps = _kv_blocks_needed(i, bq, bk, n_kv_blocks, max_len)
+    n_open = _kv_blocks_unmasked(limit_BR, bk, n_steps)
+    state = jax.lax.fori_loop(0, n_open, functools.partial(kv_step, masked=False), init)
+    m_BKR, l_BKR, acc_BKRH = jax.lax.fori_loop(n_open, n_steps, functools.partial(kv_step, masked=True), state)
+    l_BKR = jnp.maximum(l_BKR, jnp.finfo(jnp.float32).tiny)              # a block past every prompt: no keys
+    return None, (acc_BKRH / l_BKR[..., None], m_BKR + jnp.log(l_BKR))
+
+  _, (out_QBKRH, lse_QBKR) = jax.lax.scan(query_block, None, (block_ids, q_QBKRH, limit_QBR))
+  out = jnp.transpose(out_QBKRH.reshape(n_q_blocks, b, n_kv, bq, g, h), (1, 0, 3, 2, 4, 5))
+  out_BTNH = out.reshape(b, tq, n, h)[:, :t].astype(q_BTNH.dtype)
+  if not want_colsum:
+    return out_BTNH, None
+
+  row_weight_BT = (pos_T[None, :] < lengths_B[:, None]).astype(jnp.float32) / g
+  weight_QBR = jnp.swapaxes(jnp.repeat(row_weight_BT, g, axis=1).reshape(b, n_q_blocks, rows), 0, 1)
+
+  def colsum_block(colsum_BKS, xs):
+    i, q_BKRH, limit_BR, lse_BKR, weight_BR = xs
+
+    def kv_step(j, colsum_BKS, masked: bool):
+      col0 = j * bk
+      k_BKSH = jax.lax.dynamic_slice_in_dim(keys_BKSH, col0, bk, axis=2)
+      s_BKRS = _block_logits(q_BKRH, k_BKSH, col0, limit_BR, masked)
+      p_BKRS = jnp.exp(s_BKRS - lse_BKR[..., None])
+      col_BKS = jnp.einsum("bkrs,br->bks", p_BKRS, weight_BR)
+      seen_BKS = jax.lax.dynamic_slice_in_dim(colsum_BKS, col0, bk, axis=2)
+      return jax.lax.dynamic_update_slice_in_dim(colsum_BKS, seen_BKS + col_BKS, col0, axis=2)
+
+    n_steps = _kv_blocks_needed(i, bq, bk, n_kv_blocks, max_len)
+    n_open = _kv_blocks_unmasked(limit_BR, bk, n_steps)
+    colsum_BKS = jax.lax.fori_loop(0, n_open, functools.partial(kv_step, masked=False), colsum_BKS)
+    return jax.lax.fori_loop(n_open, n_steps, functools.partial(kv_step, masked=True), colsum_BKS), None
+
+  colsum_BKS, _ = jax.lax.scan(colsum_block, jnp.zeros((b, n_kv, tk), jnp.float32),
+                               (block_ids, q_QBKRH, limit_QBR, lse_QBKR, weight_QBR))
+  return out_BTNH, colsum_BKS[:, :, :t]
+
+
+def prefill_attention_reference(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_colsum: bool,
+                                chunk: int = 1024):
+  """Dense float32 reference of `prefill_attention` (queries in chunks, logits against all T keys).
 
   Returns out [B,T,N,H] and, if want_colsum, the attention each key received summed over valid query rows
   and averaged over the G heads of its group: colsum [B, K, T] float32 (what H2O accumulates).
