@@ -294,3 +294,109 @@ def test_predictions_are_cleaned_as_ruler_does():
   assert ruler.sample_score(" \x00a b ", ["a b"], "part") == 1.0
   with pytest.raises(ValueError, match="metric='exact'"):
     ruler.sample_score("x", ["x"], "exact")
+
+
+# ---------------------------------------------------------------------------------------------------- sweep
+def test_wilson_interval_by_hand():
+  from specache_jax.experiments_lib import ruler as sweep
+  lo, hi = sweep.wilson(0.0, 10)
+  assert lo == 0.0 and hi == pytest.approx(0.27754, abs=1e-5)
+  lo, hi = sweep.wilson(1.0, 10)
+  assert lo == pytest.approx(0.72246, abs=1e-5) and hi == 1.0
+  lo, hi = sweep.wilson(0.5, 100)
+  assert (lo, hi) == (pytest.approx(0.40383, abs=1e-5), pytest.approx(0.59617, abs=1e-5))
+
+
+def test_summary_table_in_the_papers_layout(tmp_path):
+  from specache_jax.experiments_lib import ruler as sweep
+  from specache_jax.experiments_lib.store import ResultStore
+  store = ResultStore(tmp_path / "r.json")
+  got = {("full", "niah_single_1"): [1, 1, 0, 1], ("full", "vt"): [0.8, 0.6],
+         ("specache_1bit", "niah_single_1"): [1, 0, 0, 0], ("specache_1bit", "vt"): [0.2, 0.2]}
+  for (label, task), scores in got.items():
+    store.put_many({sweep.cell_id(label, task, 4096, i): dict(method=label, task=task, length=4096, index=i,
+                                                               score=sc, batch_seconds=1.0 + i, batch_rows=1)
+                    for i, sc in enumerate(scores)}, "fp")
+  table, itable, notes = sweep.summary_tables(store, ["full", "specache_1bit"], 4096, ["niah_single_1", "vt"])
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+  assert rows[0] == ["method", "S1", "VT", "avg [95% CI]", "Δ avg vs full", "samples", "seconds"]
+  lo, hi = sweep.wilson(0.725, 6)
+  assert rows[2] == ["full", "75.0", "70.0", f"72.5 [{100 * lo:.1f}, {100 * hi:.1f}]", "", "6", "13"]
+  assert rows[3][:3] == ["specache_1bit", "25.0", "20.0"] and rows[3][4] == "-50.0"
+  assert "[30, 95]" in itable                                     # Wilson(0.75, 4) = [0.301, 0.954]
+  assert notes[0].startswith("- Full cache: 72.5 on average; scores 0 on no task; at least 50 on S1, VT")
+  assert notes[1] == "- specache_1bit: below full on S1 -50.0, VT -50.0"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  from specache_jax.experiments_lib import models
+  return models.load("tiny-random")
+
+
+def test_the_test_variant_end_to_end_with_qa_and_rerun_reuses_every_cell(tiny, tmp_path):
+  import hashlib
+
+  import numpy as np
+
+  from configs import ruler as ruler_cfg
+  from specache_jax.experiments_lib import ruler as sweep
+  squad = tmp_path / "dev-v2.0.json"
+  _squad_fixture(squad, random.Random(2))
+  c = ruler_cfg.get_config("test")
+  c.output_dir, c.squad, c.tasks = str(tmp_path / "out"), str(squad), c.tasks + ",qa_1"
+  res = sweep.run(c, model=tiny, log=lambda *_: None)
+  tasks_run, labels = c.tasks.split(","), c.run_methods.split(",")
+  assert len(tasks_run) == 12 and res.skipped == 0
+  assert res.computed == len(res.records) == len(labels) * len(tasks_run) * c.samples
+  n = int(c.lengths)
+  for task in tasks_run:
+    s = ruler.generate(task, n, 0, c.seed, tiny.tokenizer, formatter=ruler.chat(tiny.tokenizer),
+                       data_files={"squad": str(squad)})
+    for label in labels:
+      rec = res.records[sweep.cell_id(label, task, n, 0)]
+      assert rec["prompt_sha"] == hashlib.sha256(np.asarray(s.prompt_ids, np.int32).tobytes()).hexdigest()[:16]
+      assert rec["references"] == list(s.answers) and rec["gen_tokens"] == 4
+      assert rec["score"] == ruler.sample_score(rec["answer"], s.answers, s.metric)
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  assert "| method | S1 | S2 | S3 | MK1 | MK2 | MK3 | MV | MQ | VT | CWE | FWE | QA1 | avg [95% CI] |" in summary
+  assert (tmp_path / "out" / "heatmap.png").stat().st_size > 0
+  again = sweep.run(c, model=tiny, log=lambda *_: None)
+  assert again.computed == 0 and again.skipped == res.computed and again.table == res.table
+
+
+def test_sweep_refuses_a_missing_qa_file_before_loading_a_model(tmp_path):
+  from configs import ruler as ruler_cfg
+  from specache_jax.experiments_lib import ruler as sweep
+  from specache_jax.model.config import ConfigError
+  c = ruler_cfg.get_config("test")
+  c.output_dir, c.tasks, c.model = str(tmp_path), "vt,qa_2", "/nonexistent/model"
+  with pytest.raises(ConfigError, match=r"hotpot_dev_distractor_v1\.json"):
+    sweep.run(c, log=lambda *_: None)
+  c.tasks = "vt,niah_single_4"
+  with pytest.raises(ConfigError, match="niah_single_4"):
+    sweep.run(c, log=lambda *_: None)
+
+
+# ----------------------------------------------------------------------------------------------------- tfds
+def test_tfds_builder_writes_the_generated_split(tmp_path):
+  import tensorflow_datasets as tfds
+
+  from specache_jax.data import niah as niah_data
+  from specache_jax.data.ruler import tfds_ruler
+  builder = tfds_ruler.Ruler(config="chars_tiny", data_dir=str(tmp_path))
+  builder.download_and_prepare()
+  ds = tfds.data_source("ruler/chars_tiny", split="test", data_dir=str(tmp_path))
+  cfg = builder.builder_config
+  assert len(ds) == len(cfg.tasks) * cfg.samples
+  by_id = {ex["id"] if isinstance(ex["id"], str) else ex["id"].decode(): ex for ex in ds}
+  tok = niah_data.CharTokenizer()
+  for task in cfg.tasks:
+    s = ruler.generate(task, 2048, 1, cfg.seed, tok, formatter=tfds_ruler.chatml)
+    ex = by_id[s.id]
+    text = lambda v: v if isinstance(v, str) else v.decode()
+    assert text(ex["prompt"]) == s.prompt and list(ex["prompt_ids"]) == list(s.prompt_ids)
+    assert [text(a) for a in ex["answers"]] == list(s.answers) and int(ex["gen_tokens"]) == s.gen_tokens
+    assert list(ex["needle_starts"]) == [x.start for x in s.needles]
+  with pytest.raises(ValueError, match="not built in"):
+    tfds_ruler.Ruler(config=tfds_ruler.RulerConfig(name="x", tokenizer="smollm2"), data_dir=str(tmp_path))
