@@ -1,0 +1,666 @@
+"""The peer inside the benchmark: HF transformers (torch) on the same model, prompts and contexts as ours, timed in
+the same run, round by round with our methods, and every figure set against the machine's limits.
+
+Per (context, batch) cell, every runner — ours through `throughput.make_runner`, the peer's `HFRunner` (torch,
+`DynamicCache` or quanto's `QuantizedCache`) — exposes the same three calls: `prefill()` -> seconds (time to the
+first token), `chain(n)` -> seconds per greedy decode step over n back-to-back steps, `finish()` -> record.
+`time_cell` prefills them in rotating order, warms their decoding up, then runs `rounds` rounds in which each
+decodes `steps` steps in turn (a change of load on a shared machine hits all alike); medians are reported.
+
+Bytes per step (from shapes): the weights (read once per step; a tied embedding counts once, as the LM head)
+plus the cache the method attends at the cell's context S — ours: the method's accelerator state for S tokens
+(`budget.device_bytes_at`: the 16-bit cache for `full`; codes, scales, residual and fetched rows for KIVI and
+SpeCache), the peer's: the fp cache (DynamicCache) or the quanto codes + one scale and shift per group. The
+floor of a step is those bytes at the machine's measured read bandwidth (`machine.py`); a prefill's floor is
+its FLOPs (matmuls + causal attention + the last position's LM head) at the measured fp32 GEMM rate.
+
+`scaling` times our decode step from 1k to 32k on random weights of the model's shape, the cache state built
+directly from random K/V by each method's own prefill (`states.build_cache`; timing only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specache_jax import api
+from specache_jax.bench import machine, states, timing
+from specache_jax.bench import models as bench_models
+from specache_jax.bench import caches as bench_caches
+from specache_jax.bench.throughput import make_runner
+from specache_jax.caches.budget import device_bytes_at
+from specache_jax.experiments_lib import methods as exp_methods
+from specache_jax.experiments_lib import models as exp_models
+from specache_jax.model.config import ConfigError
+
+PEER_CACHES = ("dynamic", "quanto")
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _error_reason(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+# ----------------------------------------------------------------------------------------------- the HF model
+def hf_config(cfg):
+  """The transformers config of our ModelConfig (LLaMA family; Qwen2 for q/k/v bias)."""
+  from transformers import LlamaConfig, MistralConfig, Qwen2Config
+  rs = cfg.rope_scaling
+  rope = {"rope_type": rs.rope_type, "rope_theta": cfg.rope_theta}
+  if rs.rope_type == "linear":
+    rope["factor"] = rs.factor
+  elif rs.rope_type == "llama3":
+    rope.update(factor=rs.factor, low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                original_max_position_embeddings=rs.original_max_position)
+  cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[cfg.architecture]
+  extra = {"sliding_window": None} if cfg.architecture == "mistral" else {}
+  if cfg.architecture == "llama":
+    extra["attention_bias"] = cfg.qkv_bias
+  return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+             head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_position,
+             tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope, **extra)
+
+
+def hf_state_dict(cfg, params) -> dict:
+  """Our params (DESIGN.md layout, [in, out], layers stacked) as an HF state dict ([out, in], one per layer)."""
+  import torch
+  t = lambda x: torch.from_numpy(np.array(x, np.float32))                 # a writable copy
+  lay = params["layers"]
+  sd = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
+  names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+           "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+  for i in range(cfg.n_layers):
+    p = f"model.layers.{i}."
+    sd[p + "input_layernorm.weight"] = t(lay["attn_norm"][i])
+    sd[p + "post_attention_layernorm.weight"] = t(lay["mlp_norm"][i])
+    for ours, theirs in names.items():
+      sd[p + theirs + ".weight"] = t(np.asarray(lay[ours][i], np.float32).T)
+    for b, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+      if b in lay:
+        sd[p + f"self_attn.{proj}.bias"] = t(lay[b][i])
+  sd["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_embeddings else t(np.asarray(
+      params["lm_head"], np.float32).T)
+  return sd
+
+
+def hf_model(model, weights: str = "params", attn: str = "sdpa", device: str = "cpu", gguf_path: str = ""):
+  """A transformers CausalLM with our model's weights, in its dtype, in eval mode.
+
+  weights: "params" — our loaded params converted tensor by tensor (the same numbers by construction);
+  "gguf" — transformers' own GGUF loader on the file ours was loaded from (`gguf_path`), as a new user would."""
+  import torch
+  import transformers
+  dtype = getattr(torch, _TORCH_DTYPES[str(model.params["embed"].dtype)])
+  if weights == "gguf":
+    if not gguf_path.endswith(".gguf"):
+      raise ConfigError(f"hf_weights='gguf' needs a .gguf checkpoint; the model came from {gguf_path!r}")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
+                                                           gguf_file=os.path.basename(gguf_path), dtype=dtype,
+                                                           attn_implementation=attn)
+  elif weights == "params":
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(model.config), attn_implementation=attn,
+                                                       dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model.config, model.params), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+      raise ConfigError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
+    hf = hf.to(dtype)
+  else:
+    raise ConfigError(f"hf_weights={weights!r} must be 'params' or 'gguf'")
+  return hf.to(device).eval()
+
+
+def _torch_nbytes(x) -> int:
+  """Bytes of a tensor, including the inner tensors of a tensor subclass (quanto's packed codes/scales)."""
+  if hasattr(x, "__tensor_flatten__"):
+    names, _ = x.__tensor_flatten__()
+    return int(sum(_torch_nbytes(getattr(x, n)) for n in names))
+  return int(x.numel() * x.element_size()) if x is not None and hasattr(x, "numel") else 0
+
+
+class HFRunner:
+  """HF transformers decoding greedily with an explicit cache object (`cache=`, transformers 5's name for
+  `past_key_values`), prefill and decode timed apart; only the last position's logits (`logits_to_keep=1`, as
+  `generate` does).
+
+  spec: {"cache": "dynamic"} or {"cache": "quanto", "nbits", "q_group_size", "residual_length", "axis_key",
+  "axis_value"}. Prompts must all have the same length (no attention mask: the fast path a new user gets)."""
+  mode = "hf"
+
+  def __init__(self, hf, spec: dict, tokens, lengths):
+    import torch
+    self.torch, self.hf, self.spec = torch, hf, dict(spec)
+    if self.spec.get("cache") not in PEER_CACHES:
+      raise ConfigError(f"peer cache={self.spec.get('cache')!r} must be one of {PEER_CACHES}")
+    tokens = np.asarray(tokens)
+    if not (np.asarray(lengths) == tokens.shape[1]).all():
+      raise ConfigError(f"the HF peer needs equal-length prompts; got lengths {np.asarray(lengths).tolist()}")
+    self.device = next(hf.parameters()).device
+    self.ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+    self.record = {"mode": self.mode, "peer": dict(self.spec), "attn_implementation": hf.config._attn_implementation}
+    self.carry, self.generated = None, []
+
+  def _sync(self):
+    if self.device.type == "cuda":
+      self.torch.cuda.synchronize()
+
+  def new_cache(self):
+    from transformers import DynamicCache, QuantizedCache
+    if self.spec["cache"] == "dynamic":
+      return DynamicCache(config=self.hf.config)
+    kw = {k: self.spec[k] for k in ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+          if k in self.spec}
+    return QuantizedCache(backend="quanto", config=self.hf.config, **kw)
+
+  def _forward(self, ids, cache):
+    with self.torch.inference_mode():
+      out = self.hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+      return out.logits[:, -1].argmax(-1, keepdim=True)                # [B, 1]
+
+  def prefill(self) -> float:
+    self.carry = None
+    self._sync()
+    t0 = time.perf_counter()
+    cache = self.new_cache()
+    tok = self._forward(self.ids, cache)
+    self._sync()
+    sec = time.perf_counter() - t0
+    self.carry, self.generated = (tok, cache), [tok]
+    return sec
+
+  def chain(self, n: int) -> float:
+    tok, cache = self.carry
+    self._sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+      tok = self._forward(tok, cache)
+      self.generated.append(tok)
+    self._sync()
+    sec = (time.perf_counter() - t0) / n
+    self.carry = (tok, cache)
+    return sec
+
+  def tokens(self) -> np.ndarray:
+    """The greedy tokens since the last prefill (the first from the prefill): [B, n] int."""
+    return self.torch.cat(self.generated, dim=1).cpu().numpy()
+
+  def finish(self) -> dict:
+    cache = self.carry[1]
+    if self.spec["cache"] == "dynamic":
+      held = sum(_torch_nbytes(l.keys) + _torch_nbytes(l.values) for l in cache.layers)
+    else:
+      held = sum(_torch_nbytes(l._quantized_keys) + _torch_nbytes(l._quantized_values) + _torch_nbytes(l.keys)
+                 + _torch_nbytes(l.values) for l in cache.layers)
+    return dict(self.record, cache_bytes_held=int(held), seq_length=int(cache.get_seq_length()))
+
+
+# ------------------------------------------------------------------------------------------- bytes and FLOPs
+def weight_bytes_per_step(cfg, params) -> int:
+  """Weights a decode step reads: all of them, except an untied embedding table (one row per token)."""
+  total = int(sum(x.nbytes for x in jax.tree.leaves(params)))
+  return total if cfg.tie_embeddings else total - int(params["embed"].nbytes)
+
+
+def peer_cache_bytes(spec: dict, cfg, context: int, batch: int, itemsize: int) -> int:
+  """The peer's cache at `context` tokens: fp K/V (dynamic), or quanto's packed codes + a scale and a shift per
+  q_group_size elements (the ≤ residual_length fp tokens not counted)."""
+  elems = 2 * cfg.n_layers * batch * cfg.n_kv_heads * context * cfg.head_dim
+  if spec["cache"] == "dynamic":
+    return elems * itemsize
+  return elems * spec.get("nbits", 4) // 8 + 2 * elems // spec.get("q_group_size", 64) * itemsize
+
+
+def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
+  """Matmul FLOPs of the projections and MLP for every prompt token, causal attention (QKᵀ and PV over the lower
+  triangle), and the LM head at the last position."""
+  d, h = cfg.dim, cfg.head_dim
+  per_token = cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
+  attn = 2 * cfg.n_layers * cfg.n_heads * h * prompt_len * (prompt_len + 1)
+  return float(batch * (2 * per_token * prompt_len + attn + 2 * d * cfg.vocab_size))
+
+
+def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict) -> None:
+  bw, fl = limits["read_bandwidth"]["best_Bps"], limits["matmul"]["best_flops"]
+  rec["bytes_per_step"] = int(bytes_per_step)
+  rec["floor_step_s"] = bytes_per_step / bw
+  rec["x_floor"] = timing.ratio(rec.get("step_s"), rec["floor_step_s"])
+  rec["prefill_flops"] = flops
+  rec["prefill_floor_s"] = flops / fl
+  rec["prefill_x_floor"] = timing.ratio(rec.get("prefill_s"), rec["prefill_floor_s"])
+
+
+# ------------------------------------------------------------------------------------------------ the timing
+def _rotated(labels: list[str], i: int) -> list[str]:
+  k = i % len(labels)
+  return labels[k:] + labels[:k]
+
+
+def time_cell(runners: dict, prefill_rounds: int, warmup: int, steps: int, rounds: int,
+              log: Callable[[str], None] = print) -> dict[str, dict]:
+  """Interleaved prefills, then interleaved decode rounds. A runner that fails is recorded as skipped."""
+  labels, out = list(runners), {}
+  pre = {label: [] for label in labels}
+  dec = {label: [] for label in labels}
+
+  def attempt(label, fn):
+    try:
+      return fn()
+    except Exception as e:  # one method that cannot run (memory) must not sink the others
+      out[label] = {"skipped": f"while timing: {_error_reason(e)}"}
+      log(f"{label}: {out[label]['skipped']}")
+      labels.remove(label)
+      return None
+
+  for i in range(prefill_rounds):
+    for label in _rotated(labels, i):
+      sec = attempt(label, runners[label].prefill)
+      if sec is not None:
+        pre[label].append(sec)
+  for label in list(labels):
+    if warmup:
+      attempt(label, lambda: runners[label].chain(warmup))
+  for i in range(rounds):
+    for label in _rotated(labels, i) if labels else []:
+      sec = attempt(label, lambda: runners[label].chain(steps))
+      if sec is not None:
+        dec[label].append(sec)
+  for label in labels:
+    rec = runners[label].finish()
+    rec.update(prefill_s=statistics.median(pre[label]), rounds_prefill_s=pre[label],
+               step_s=statistics.median(dec[label]), rounds_step_s=dec[label])
+    out[label] = rec
+  return out
+
+
+def _ratios(cell: dict, reference: str) -> None:
+  ref = cell["methods"].get(reference, {})
+  for rec in cell["methods"].values():
+    if "step_s" not in rec:
+      continue
+    rec["decode_speed_vs_ref"] = timing.ratio(rec["tokens_per_s"], ref.get("tokens_per_s"))
+    rec["prefill_time_vs_ref"] = timing.ratio(rec["prefill_s"], ref.get("prefill_s"))
+
+
+def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> dict:
+  cfg, dtype = model.config, model.params["embed"].dtype
+  prompt_len = context - config.margin
+  tokens, lengths = bench_caches.random_prompts(config.seed + context, batch, prompt_len, cfg.vocab_size)
+  slots = states.cell_slots(prompt_len, config.warmup + config.rounds * config.steps + 1)
+  cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "slots": slots, "methods": {}}
+  runners, wbytes, item = {}, weight_bytes_per_step(cfg, model.params), jnp.dtype(dtype).itemsize
+  cache_bytes = {}
+  for label in exp_methods.labels(config):
+    try:
+      method = exp_methods.build(config, label, cfg, slots, dtype)
+      cache_bytes[label] = device_bytes_at(method, cfg, context, dtype, batch)
+      t0 = time.perf_counter()
+      runners[label] = make_runner(model, method, tokens, lengths, slots)
+      runners[label].record.update(method=exp_methods.describe(method), setup_s=time.perf_counter() - t0)
+      log(f"S={context} B={batch} {label}: set up in {runners[label].record['setup_s']:.1f} s")
+    except Exception as e:  # a method that cannot run here (memory, settings) is recorded, not fatal
+      cell["methods"][label] = {"skipped": _error_reason(e)}
+  for label in _labels(config.run_peers):
+    spec = dict(_as_dict(config.peers)[label])
+    cache_bytes[label] = peer_cache_bytes(spec, cfg, context, batch, item)
+    runners[label] = HFRunner(hf, spec, tokens, lengths)
+  cell["methods"].update(time_cell(runners, config.prefill_rounds, config.warmup, config.steps, config.rounds, log))
+  del runners
+  order = exp_methods.labels(config) + _labels(config.run_peers)
+  cell["methods"] = {label: cell["methods"][label] for label in order}
+  flops = prefill_flops(cfg, batch, prompt_len)
+  for label, rec in cell["methods"].items():
+    if "step_s" in rec:
+      rec["tokens_per_s"] = batch / rec["step_s"]
+      rec["cache_bytes_per_step"] = int(cache_bytes[label])
+      rec["weight_bytes_per_step"] = wbytes
+      _floors(rec, wbytes + cache_bytes[label], flops, limits)
+      log(f"S={context} B={batch} {label}: prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step "
+          f"({rec['x_floor']:.2f}x floor), {rec['tokens_per_s']:.1f} tok/s")
+  _ratios(cell, config.reference)
+  return cell
+
+
+# ------------------------------------------------------------------------------------------------- the parity
+def greedy_parity(model, hf, seed: int, batch: int, prompt_len: int, new_tokens: int) -> dict:
+  """The same greedy tokens from ours (`sj.generate`, full cache) and the peer (HFRunner, DynamicCache)?"""
+  tokens, lengths = bench_caches.random_prompts(seed, batch, prompt_len, model.config.vocab_size)
+  ours = np.asarray(api.generate(model, tokens, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=()).tokens)
+  peer = HFRunner(hf, {"cache": "dynamic"}, tokens, lengths)
+  peer.prefill()
+  if new_tokens > 1:
+    peer.chain(new_tokens - 1)
+  theirs = peer.tokens()[:, :new_tokens]
+  same = ours == theirs
+  first = [int(np.argmin(r)) if not r.all() else None for r in same]
+  return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "equal": int(same.sum()),
+          "total": int(same.size), "first_mismatch_per_row": first, "ours": ours.tolist(), "peer": theirs.tolist()}
+
+
+# ------------------------------------------------------------------------------------------ the scaling curve
+def random_captured(cfg, batch: int, length: int, seed: int, dtype) -> states.Captured:
+  """Post-RoPE K/V of `length` tokens drawn at random (a prefilled cache's contents, for timing only)."""
+  kk, kv = jax.random.split(jax.random.key(seed))
+  shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+  return states.Captured(k=jax.random.normal(kk, shape, dtype), v=jax.random.normal(kv, shape, dtype),
+                         colsum=jnp.zeros((cfg.n_layers, batch, cfg.n_kv_heads, length), jnp.float32))
+
+
+def _chain(stepper, n: int) -> float:
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(n):
+    out = stepper.step()
+  timing.block(out)
+  return (time.perf_counter() - t0) / n
+
+
+def scaling(config, limits: dict, deadline: float, log) -> dict:
+  """Our decode step time vs context (batch `sc.batch`) on random weights of `sc.model`'s shape; the methods
+  `sc.run_methods` from `config.methods`."""
+  sc = config.scaling
+  model = bench_models.load(sc.model, config.dtype, 0)
+  cfg = dataclasses.replace(model.config, max_position=max(int(c) for c in sc.contexts))
+  labels = _labels(sc.run_methods)
+  dt = model.params["embed"].dtype
+  wbytes = weight_bytes_per_step(cfg, model.params)
+  points = []
+  for context in (int(c) for c in sc.contexts):
+    point = {"context": context, "batch": sc.batch, "methods": {}}
+    points.append(point)
+    if time.perf_counter() > deadline:
+      point["skipped"] = "out of time (config.max_seconds)"
+      continue
+    prompt_len = context - sc.margin
+    slots = states.cell_slots(prompt_len, sc.warmup + sc.rounds * sc.steps + 1)
+    captured = random_captured(cfg, sc.batch, prompt_len, context, dt)
+    first = jnp.asarray(np.random.RandomState(context).randint(0, cfg.vocab_size, sc.batch), jnp.int32)
+    lens = jnp.full((sc.batch,), prompt_len, jnp.int32)
+    steppers = {}
+    for label in labels:
+      try:
+        method = exp_methods.build(config, label, cfg, slots, dt)
+        steppers[label] = bench_caches.Stepper(model.params, cfg, method, captured, first, lens, slots)
+        rec = point["methods"][label] = {"method": exp_methods.describe(method),
+                                         "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch)}
+        for _ in range(max(sc.warmup, 1)):
+          timing.block(steppers[label].step())
+      except Exception as e:  # memory at long contexts: recorded, the others go on
+        steppers.pop(label, None)
+        point["methods"][label] = {"skipped": _error_reason(e)}
+    del captured
+    samples = {label: [] for label in steppers}
+    for i in range(sc.rounds):
+      for label in _rotated(list(steppers), i) if steppers else []:
+        samples[label].append(_chain(steppers[label], sc.steps))
+    del steppers
+    for label, xs in samples.items():
+      rec = point["methods"][label]
+      rec.update(step_s=statistics.median(xs), rounds_step_s=xs)
+      _floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits)
+      log(f"scaling S={context} {label}: {rec['step_s'] * 1e3:.1f} ms/step ({rec['x_floor']:.2f}x floor)")
+  return {"model": str(getattr(model, "source", sc.model)), "shape": sc.model, "batch": sc.batch, "weight_bytes_per_step": wbytes,
+          "warmup": sc.warmup, "steps": sc.steps, "rounds": sc.rounds, "points": points}
+
+
+# ------------------------------------------------------------------------------------------------- the sweep
+def _as_dict(x) -> dict:
+  return dict(x.to_dict() if hasattr(x, "to_dict") else x)
+
+
+def _labels(text: str) -> list[str]:
+  return [s.strip() for s in str(text).split(",") if s.strip()]
+
+
+def set_threads(requested: int) -> dict:
+  """torch gets as many threads as the cores JAX's CPU backend uses (or `requested`); both recorded."""
+  import torch
+  n = int(requested) or machine.cpu_threads()
+  torch.set_num_threads(n)
+  return {"jax_cpu_threads": machine.cpu_threads(), "torch_threads": torch.get_num_threads()}
+
+
+def versions() -> dict:
+  out = {}
+  for name in ("torch", "transformers", "optimum-quanto", "accelerate", "jax", "jaxlib"):
+    try:
+      out[name] = md.version(name)
+    except md.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def load_model(name: str, dtype: str, seed: int):
+  """`random:<shape>` (bench/models.py), else the experiments' loader (whose `.source` is the checkpoint file)."""
+  if name.startswith(bench_models.RANDOM_PREFIX):
+    return bench_models.load(name, dtype, seed)
+  return exp_models.load(name, dtype)
+
+
+def run(config, log: Callable[[str], None] = print) -> dict:
+  """Everything: machine limits, greedy parity, the interleaved table, the scaling curve -> a JSON-ready dict."""
+  t_start = time.perf_counter()
+  deadline = t_start + float(config.max_seconds)
+  threads = set_threads(config.threads)
+  model = load_model(config.model, config.dtype, config.seed)
+  hf = hf_model(model, config.hf_weights, config.hf_attn, config.hf_device, str(getattr(model, "source", "")))
+  log(f"threads {threads}; measuring the machine")
+  limits = machine.measure(int(config.machine.bandwidth_bytes), int(config.machine.gemm_n),
+                           threads["jax_cpu_threads"], config.hf_device, int(config.machine.repeats))
+  limits.update(threads)
+  meta = {"benchmark": "peer", "model": config.model, "model_source": str(getattr(model, "source", "")),
+          "dtype": str(model.params["embed"].dtype), "hf_weights": config.hf_weights, "hf_attn": config.hf_attn,
+          "hf_device": config.hf_device, "versions": versions(), "machine_start": timing.machine_info(),
+          "limits": limits, "prefill_rounds": config.prefill_rounds, "warmup": config.warmup,
+          "decode_steps": config.steps, "rounds": config.rounds, "reference": config.reference,
+          "methods": {label: exp_methods.spec_of(config, label) for label in exp_methods.labels(config)},
+          "peers": {label: dict(_as_dict(config.peers)[label]) for label in _labels(config.run_peers)}}
+  p = config.parity
+  result = {"meta": meta, "parity": greedy_parity(model, hf, config.seed + 1, p.batch, p.prompt_len, p.new_tokens)}
+  log(f"greedy parity: {result['parity']['equal']}/{result['parity']['total']} tokens equal")
+  cells = result["cells"] = []
+  for context in (int(c) for c in config.contexts):
+    for batch in (int(b) for b in config.batches):
+      if time.perf_counter() > deadline:
+        cells.append({"context": context, "batch": batch, "skipped": "out of time (config.max_seconds)"})
+        continue
+      cells.append(run_cell(config, model, hf, limits, context, batch, log))
+  del hf
+  if config.scaling.enabled:
+    result["scaling"] = scaling(config, limits, deadline, log)
+  result["targets"] = targets(result, config.targets)
+  meta["machine_end"] = timing.machine_info()
+  meta["seconds"] = time.perf_counter() - t_start
+  return result
+
+
+# ---------------------------------------------------------------------------------------- targets and report
+def targets(result: dict, t) -> list[dict]:
+  """Issue 10's "done when" rules, checked on this run's medians (None where a cell is missing)."""
+  ref, long_, short = result["meta"]["reference"], int(t.context), int(t.short_context)
+  cells = {(c["context"], c["batch"]): c["methods"] for c in result["cells"] if "methods" in c}
+  batches = sorted({b for _, b in cells})
+  get = lambda s, b, label, key: cells.get((s, b), {}).get(label, {}).get(key)
+
+  def rule(text, values, ok):
+    known = [v for v in values.values() if v is not None]
+    met = None if len(known) < len(values) or not values else all(ok(v) for v in known)
+    return {"rule": text, "values": values, "met": met}
+
+  contexts = [int(c) for c in t.contexts]
+  out = [rule(f"{t.full} decode tok/s >= 1.0x {ref} at {contexts}, every batch",
+              {f"{s}/B{b}": get(s, b, t.full, "decode_speed_vs_ref") for s in contexts for b in batches},
+              lambda v: v >= 1.0),
+         rule(f"{t.full} prefill time <= 1.0x {ref}'s at {contexts}",
+              {f"{s}/B{b}": get(s, b, t.full, "prefill_time_vs_ref") for s in contexts for b in batches},
+              lambda v: v <= 1.0)]
+  spec1 = _labels(t.spec1)
+  out.append(rule(f"{', '.join(spec1)} decode tok/s >= {t.spec1_min}x {ref} at {long_}",
+                  {f"{l}/B{b}": get(long_, b, l, "decode_speed_vs_ref") for l in spec1 for b in batches},
+                  lambda v: v >= t.spec1_min))
+  vals = {}
+  for l in spec1:
+    for b in batches:
+      a, f = get(long_, b, l, "step_s"), get(short, b, t.full, "step_s")
+      vals[f"{l}/B{b}"] = timing.ratio(a, f)
+  out.append(rule(f"{', '.join(spec1)} step at {long_} <= {t.spec1_vs_full_short}x {t.full}'s step at {short}",
+                  vals, lambda v: v <= t.spec1_vs_full_short))
+  fast = _labels(t.fast)
+  out.append(rule(f"{', '.join(fast)} decode tok/s >= {t.fast_min}x {ref} at {long_}",
+                  {f"{l}/B{b}": get(long_, b, l, "decode_speed_vs_ref") for l in fast for b in batches},
+                  lambda v: v >= t.fast_min))
+  ours = list(result["meta"]["methods"])
+  out.append(rule(f"every method of ours within {t.floor_max}x of its bandwidth floor at {long_}",
+                  {f"{l}/B{b}": get(long_, b, l, "x_floor") for l in ours for b in batches},
+                  lambda v: v <= t.floor_max))
+  return out
+
+
+def _f(x, fmt="{:.2f}", none="—") -> str:
+  return none if x is None else fmt.format(x)
+
+
+def _size(n: float) -> str:
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{int(n)} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+          + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def markdown(result: dict, plot_name: str = "") -> str:
+  meta, lim = result["meta"], result["meta"]["limits"]
+  start, end = meta["machine_start"], meta.get("machine_end", {})
+  bw, mm = lim["read_bandwidth"], lim["matmul"]
+  labels = list(meta["methods"]) + list(meta["peers"])
+  ref = meta["reference"]
+  lines = [f"`{meta.get('command', '')}`", "", "# Ours vs HF transformers on the same model, prompts and contexts "
+           "(one interleaved run)", "",
+           f"- model: {meta['model']} = {meta['model_source']} ({meta['dtype']}); the peer: transformers {meta['versions']['transformers']}"
+           f" + torch {meta['versions']['torch']} (optimum-quanto {meta['versions']['optimum-quanto']}) on "
+           f"{meta['hf_device']}, attention `{meta['hf_attn']}`, weights `{meta['hf_weights']}`",
+           f"- threads: JAX's CPU backend {lim['jax_cpu_threads']} (the cores this process may use), torch "
+           f"{lim['torch_threads']}; jax {meta['versions']['jax']}; {start.get('cpu_count')} CPUs on "
+           f"{start.get('host')}",
+           f"- read bandwidth {bw['best_Bps'] / 1e9:.1f} GB/s (best of " + ", ".join(
+               f"{k[:-4]} {bw[k] / 1e9:.1f}" for k in bw['best_of']) + f"; float32 sum over "
+           f"{bw['bytes'] / 2**30:.2f} GiB, best of {bw['repeats']}); fp32 GEMM {mm['best_flops'] / 1e9:.1f} GFLOP/s "
+           f"(jax {mm['jax_flops'] / 1e9:.1f}" + (f", torch {mm['torch_flops'] / 1e9:.1f}" if 'torch_flops' in mm
+                                                  else "") + f"; n={mm['n']})",
+           f"- load average (1/5/15 min) at start {start.get('load_average_1_5_15')}, at end "
+           f"{end.get('load_average_1_5_15')}; wall time {meta.get('seconds', 0):.0f} s",
+           f"- timing: per cell every method (ours and the peer's) prefills {meta['prefill_rounds']}× in rotating "
+           f"order (time to the first token; ours compiled beforehand), decodes {meta['warmup']} warm-up steps, "
+           f"then {meta['rounds']} rounds of {meta['decode_steps']} greedy steps back to back, one method after "
+           "the other in rotating order; medians over rounds. Speed ratios are to "
+           f"`{ref}` in the same cell: decode = tok/s ÷ its tok/s (> 1 faster), prefill = seconds ÷ its seconds "
+           "(< 1 faster)",
+           "- bytes/step = weights + the cache the method attends at the cell's context (from shapes); × floor = "
+           "step time ÷ (bytes/step ÷ read bandwidth); prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)", ""]
+  par = result["parity"]
+  lines += ["## The two sides run the same model", "",
+            f"Greedy tokens, ours (`sj.generate`, full cache) vs the peer (DynamicCache), {par['batch']} random "
+            f"prompts of {par['prompt_len']} tokens, {par['new_tokens']} new tokens each: **{par['equal']}/"
+            f"{par['total']} equal** (first mismatch per row: {par['first_mismatch_per_row']}).", ""]
+  cells = [c for c in result["cells"] if "methods" in c]
+  heads = [f"{c['context']}/B{c['batch']}" for c in cells]
+  rows = []
+  for label in labels:
+    row = [label]
+    for c in cells:
+      r = c["methods"].get(label, {})
+      row.append(f"{r['tokens_per_s']:.1f} ({_f(r.get('decode_speed_vs_ref'))}×)" if "step_s" in r else "skipped")
+    rows.append(row)
+  lines += [f"## Decode tok/s (× `{ref}`)", ""] + _table(["method"] + heads, rows) + [""]
+  rows = []
+  for label in labels:
+    row = [label]
+    for c in cells:
+      r = c["methods"].get(label, {})
+      row.append(f"{r['prefill_s']:.2f} ({_f(r.get('prefill_time_vs_ref'))}×)" if "step_s" in r else "skipped")
+    rows.append(row)
+  lines += [f"## Prefill seconds, time to first token (time × `{ref}`'s)", ""] + _table(["method"] + heads, rows)
+  rows = []
+  for c in result["cells"]:
+    for label, r in c.get("methods", {}).items():
+      if "step_s" not in r:
+        rows.append([str(c["context"]), str(c["batch"]), label, f"skipped: {r.get('skipped')}"] + [""] * 8)
+        continue
+      rows.append([str(c["context"]), str(c["batch"]), label, f"{r['prefill_s']:.2f}",
+                   _f(r.get("prefill_x_floor"), "{:.1f}"), f"{r['step_s'] * 1e3:.3g}", f"{r['tokens_per_s']:.1f}",
+                   _f(r.get("decode_speed_vs_ref")), f"{_size(r['weight_bytes_per_step'])} + "
+                   f"{_size(r['cache_bytes_per_step'])}", f"{r['floor_step_s'] * 1e3:.3g}",
+                   _f(r.get("x_floor"))])
+    if "skipped" in c:
+      rows.append([str(c["context"]), str(c["batch"]), "all", f"skipped: {c['skipped']}"] + [""] * 8)
+  lines += ["", "## Every cell", ""] + _table(
+      ["S", "B", "method", "prefill s", "prefill × floor", "ms/step", "tok/s", f"decode × {ref}",
+       "bytes/step (weights + cache)", "floor ms", "× floor"], rows) + [""]
+  lines += ["## Issue 10's targets on this run", ""] + _table(
+      ["rule", "met", "values"],
+      [[t["rule"], {True: "**met**", False: "**not met**", None: "not measured"}[t["met"]],
+        ", ".join(f"{k} {_f(v)}" for k, v in t["values"].items())] for t in result["targets"]]) + [""]
+  sc = result.get("scaling")
+  if sc:
+    lines += [f"## Decode step vs context (ours; {sc['model']}, batch {sc['batch']}, cache filled from random "
+              "K/V; timing only)", ""]
+    names = list(dict.fromkeys(l for p in sc["points"] for l in p["methods"]))
+    rows = []
+    for p in sc["points"]:
+      row = [str(p["context"])]
+      for l in names:
+        r = p["methods"].get(l, {})
+        row.append(f"{r['step_s'] * 1e3:.1f} ({r['x_floor']:.1f}× floor)" if "step_s" in r
+                   else (r.get("skipped") or p.get("skipped", "—")))
+      rows.append(row)
+    lines += _table(["S"] + [f"{l} ms" for l in names], rows) + [""]
+    if plot_name:
+      lines += [f"![step time vs context]({plot_name})", ""]
+  return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+  """Step time vs context for each of our methods (solid) with its bandwidth floor (dotted), the weights-only
+  floor (dashed), and the peer's DynamicCache step at batch `scaling.batch` from the table (markers)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  sc, bw = result["scaling"], result["meta"]["limits"]["read_bandwidth"]["best_Bps"]
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  names = list(dict.fromkeys(l for p in sc["points"] for l in p["methods"]))
+  for i, label in enumerate(names):
+    pts = [(p["context"], p["methods"][label]) for p in sc["points"] if "step_s" in p["methods"].get(label, {})]
+    if not pts:
+      continue
+    color = f"C{i}"
+    ax.plot([s for s, _ in pts], [r["step_s"] * 1e3 for _, r in pts], "o-", color=color, label=label)
+    ax.plot([s for s, _ in pts], [r["floor_step_s"] * 1e3 for _, r in pts], ":", color=color)
+  xs = [p["context"] for p in sc["points"]]
+  ax.axhline(sc["weight_bytes_per_step"] / bw * 1e3, color="k", ls="--", lw=1, label="floor: weights only")
+  ref = result["meta"]["reference"]
+  peer = [(c["context"], c["methods"][ref]["step_s"]) for c in result["cells"]
+          if c.get("batch") == sc["batch"] and "step_s" in c.get("methods", {}).get(ref, {})]
+  if peer:
+    ax.plot([s for s, _ in peer], [t * 1e3 for _, t in peer], "kx", ms=9, mew=2, label=f"{ref} (table)")
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(xs, [f"{x // 1024}k" if x >= 1024 else str(x) for x in xs])
+  ax.set_yscale("log")
+  ax.set_xlabel("context (tokens)")
+  ax.set_ylabel("decode step (ms), log scale")
+  ax.set_title(f"Decode step vs context, batch {sc['batch']} (dotted: each method's bandwidth floor at "
+               f"{bw / 1e9:.0f} GB/s)", fontsize=9)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,131 @@
+"""The peer benchmark (HF transformers vs ours in one interleaved run): the HF model built from our weights
+computes our logits, the byte and FLOP formulas, and `configs/peer_bench.py:test` end to end through the
+launcher (table structure, and both sides' greedy tokens equal on the tiny model). No timing is asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from configs import peer_bench as peer_cfg
+from specache_jax.bench import machine, peer
+from specache_jax.bench import models as bench_models
+from specache_jax.caches.budget import device_bytes_at
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("optimum.quanto")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return bench_models.load("random:tiny", "", 0)
+
+
+def test_hf_model_from_our_params_computes_our_logits(tiny):
+  hf = peer.hf_model(tiny, "params", "eager")
+  ids = np.random.RandomState(0).randint(0, tiny.config.vocab_size, size=(2, 19))
+  ours = np.asarray(sj.forward(tiny, ids.tolist()))
+  with torch.no_grad():
+    theirs = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+  assert np.abs(ours).max() > 0.1
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "quanto"])
+def test_hf_runner_prefill_then_steps(tiny, cache):
+  hf = peer.hf_model(tiny)
+  tokens = np.random.RandomState(1).randint(0, tiny.config.vocab_size, size=(2, 40)).astype(np.int32)
+  spec = {"cache": cache} if cache == "dynamic" else {"cache": cache, "nbits": 2, "q_group_size": 16,
+                                                       "residual_length": 16}
+  r = peer.HFRunner(hf, spec, tokens, np.full(2, 40))
+  assert r.prefill() > 0 and r.chain(3) > 0
+  rec = r.finish()
+  assert r.tokens().shape == (2, 4) and rec["seq_length"] == 43 and rec["cache_bytes_held"] > 0
+  with pytest.raises(ValueError, match="equal-length prompts"):
+    peer.HFRunner(hf, spec, tokens, np.array([40, 39]))
+  with pytest.raises(ValueError, match="must be one of"):
+    peer.HFRunner(hf, {"cache": "static"}, tokens, np.full(2, 40))
+
+
+def test_bytes_and_flops_formulas():
+  cfg = bench_models.SHAPES["smollm2-135m"]
+  from specache_jax.model.config import ModelConfig
+  cfg = ModelConfig(**cfg, name="smollm2")
+  full = sj.cache_config("full")
+  for s, b in [(1024, 1), (8192, 4)]:
+    assert peer.peer_cache_bytes({"cache": "dynamic"}, cfg, s, b, 4) == device_bytes_at(full, cfg, s, jnp.float32, b)
+  q = peer.peer_cache_bytes({"cache": "quanto", "nbits": 2, "q_group_size": 64}, cfg, 8192, 1, 4)
+  assert q == 2 * 30 * 3 * 8192 * 64 * (2 / 8 + 2 * 4 / 64)
+  flops = peer.prefill_flops(cfg, 1, 8192)                       # the issue's ≈ 4.5 TFLOP counts the whole LM head
+  assert 3.9e12 < flops < 4.2e12
+  assert peer.prefill_flops(cfg, 4, 1024) == 4 * peer.prefill_flops(cfg, 1, 1024)
+
+
+def test_machine_limits_are_measured():
+  m = machine.measure(8 << 20, 128, 2, "cpu", repeats=2)
+  assert m["read_bandwidth"]["best_Bps"] > 1e8 and m["matmul"]["best_flops"] > 1e7
+  assert m["read_bandwidth"]["best_Bps"] == max(m["read_bandwidth"][k] for k in m["read_bandwidth"]["best_of"])
+
+
+def test_configs_have_cpu_gpu_and_test_variants():
+  for arg in ("cpu", "gpu", "test"):
+    c = peer_cfg.get_config(arg)
+    assert c.reference in c.peers
+    assert set(peer._labels(c.scaling.run_methods)) <= set(c.methods)
+  with pytest.raises(ValueError, match="must be one of cpu, gpu, test"):
+    peer_cfg.get_config("tpu")
+
+
+def test_peer_bench_end_to_end(tmp_path):
+  out, plot = tmp_path / "peer_test", tmp_path / "scaling_test.png"
+  proc = subprocess.run([sys.executable, "-m", "experiments.peer_bench", "--config=configs/peer_bench.py:test",
+                         f"--config.out={out}", f"--config.plot={plot}"], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ), timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "peer_test.json").read_text())
+  c = peer_cfg.get_config("test")
+  ours, peers = peer._labels(c.run_methods), peer._labels(c.run_peers)
+  # the two sides run the same model: identical greedy tokens
+  par = result["parity"]
+  assert par["equal"] == par["total"] == c.parity.batch * c.parity.new_tokens, par
+  meta = result["meta"]
+  assert meta["limits"]["torch_threads"] == meta["limits"]["jax_cpu_threads"] >= 1
+  assert meta["limits"]["read_bandwidth"]["best_Bps"] > 0 and meta["limits"]["matmul"]["best_flops"] > 0
+  assert meta["command"].startswith("python -m experiments.peer_bench")
+  assert [(x["context"], x["batch"]) for x in result["cells"]] == [(s, b) for s in c.contexts for b in c.batches]
+  for cell in result["cells"]:
+    assert list(cell["methods"]) == ours + peers
+    for label, rec in cell["methods"].items():
+      assert "skipped" not in rec, (label, rec)
+      assert rec["prefill_s"] > 0 and rec["step_s"] > 0 and len(rec["rounds_step_s"]) == c.rounds
+      assert rec["tokens_per_s"] == pytest.approx(cell["batch"] / rec["step_s"])
+      assert rec["bytes_per_step"] == rec["weight_bytes_per_step"] + rec["cache_bytes_per_step"]
+      assert rec["x_floor"] == pytest.approx(rec["step_s"] / rec["floor_step_s"])
+      assert rec["decode_speed_vs_ref"] > 0 and rec["prefill_time_vs_ref"] > 0
+    ref = cell["methods"][c.reference]
+    assert ref["decode_speed_vs_ref"] == 1.0 and ref["mode"] == "hf"
+    full = cell["methods"]["full"]["cache_bytes_per_step"]
+    assert cell["methods"][c.reference]["cache_bytes_per_step"] == full           # the same fp cache
+    assert cell["methods"]["specache_1bit"]["cache_bytes_per_step"] < full
+  assert len(result["targets"]) == 6 and all({"rule", "met", "values"} <= set(t) for t in result["targets"])
+  points = result["scaling"]["points"]
+  assert [p["context"] for p in points] == list(c.scaling.contexts)
+  for p in points:
+    assert list(p["methods"]) == peer._labels(c.scaling.run_methods)
+    assert all(r["step_s"] > 0 and r["x_floor"] > 0 for r in p["methods"].values()), p
+  md = (tmp_path / "peer_test.md").read_text()
+  assert md.splitlines()[0] == f"`{meta['command']}`"
+  for text in ("## Decode tok/s", "## Prefill seconds", "## Every cell", "## Issue 10's targets",
+               "## Decode step vs context", "| hf_quanto_2bit |", "(scaling_test.png)",
+               f"**{par['total']}/{par['total']} equal**"):
+    assert text in md, text
+  assert plot.stat().st_size > 10_000
