@@ -2,33 +2,18 @@
 
   python -m experiments.throughput --config=configs/throughput.py      # see the config for variants
 """
-import shlex
-import sys
-
-import jax
-from absl import app, logging
+from absl import app
 from ml_collections import config_flags
 
-from specache_jax.bench import models, report, throughput
-from specache_jax.experiments_lib.store import atomic_write_text
+from specache_jax.bench import report, throughput
+from specache_jax.experiments_lib import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py", "benchmark config",
                                           lock_config=True)
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  config = _CONFIG.value
-  logging.info("config:\n%s", config)
-  logging.info("devices: %s", jax.devices())
-  model = models.load(config.model, config.dtype, config.seed)
-  result = throughput.run(config, model, log=logging.info)
-  result["meta"]["command"] = shlex.join(["python", "-m", "experiments.throughput"] + sys.argv[1:])
-  atomic_write_text(config.out + ".json", report.dumps(result))
-  text = report.throughput_markdown(result)
-  atomic_write_text(config.out + ".md", text + "\n")
-  print(text)
+  launch.run_benchmark("throughput", _CONFIG.value, throughput.run, report.throughput_markdown, argv)
 
 
 if __name__ == "__main__":

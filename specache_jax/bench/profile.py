@@ -47,8 +47,15 @@ def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -
   return stats
 
 
-def _layer0(tree):
-  return jax.tree.map(lambda x: x[0], tree)
+def _stacked(layers):
+  """A cache's layers as one state with leaves [L, ...] (decoding keeps a tuple of per-layer states)."""
+  if isinstance(layers, (tuple, list)):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return layers
+
+
+def _layer0(layers):
+  return layers[0] if isinstance(layers, (tuple, list)) else jax.tree.map(lambda x: x[0], layers)
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -131,7 +138,8 @@ def profile_specache_step(model, method, context: int, margin: int, seed: int, i
     inp, cache = states.first_decode_input(params, first, cache, cfg=cfg, method=m)
     caches[name] = cache
     out[f"step_{name}_s"] = time_decode_step(params, cfg, m, cache, inp, 2, iters)["median_s"]
-    out[f"scan_copy_{name}_s"] = timing.time_calls(lambda c=cache: _scan_copy(c.layers), 1, iters)["median_s"]
+    stacked = _stacked(cache.layers)
+    out[f"scan_copy_{name}_s"] = timing.time_calls(lambda: _scan_copy(stacked), 1, iters)["median_s"]
     out[f"state_bytes_{name}"] = tree_nbytes(cache.layers)
   st = _layer0(caches["specache"].layers)
   full_st = _layer0(caches["full"].layers)

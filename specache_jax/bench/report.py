@@ -39,42 +39,28 @@ def caches_markdown(result: dict) -> str:
       f"- a step = the jitted whole-model `forward_jit(..., phase=\"decode\")` on a prefilled cache, median of "
       f"{meta['iters']} blocked calls after {meta['warmup']} warm-up calls, the methods of a cell interleaved "
       f"(one step each per round, rotating order); ratio = method / `{meta['reference']}` in the same cell", ""]
-  cols = [c for c in cells]
-  head = ["method"] + [f"S={c['context']} B={c['batch']}" for c in cols]
-  rows = []
-  for label in labels:
-    row = [label]
-    for c in cols:
-      rec = c["methods"].get(label, {})
-      if "step" in rec:
-        row.append(f"{_ms(rec['step']['median_s'])} ms ({_x(rec.get('step_ratio'))})")
-      else:
-        row.append(f"skipped: {rec.get('skipped') or c.get('skipped', 'not run')}")
-    rows.append(row)
-  lines += ["## Step time (ms) and ratio to full", ""] + _table(head, rows) + [""]
-  rows = []
-  for label in labels:
-    row = [label]
-    for c in cols:
-      rec = c["methods"].get(label, {})
-      row.append(f"{_mb(rec.get('device_bytes'))} MiB ({_x(rec.get('device_bytes_ratio'))})"
-                 if "device_bytes" in rec else "—")
-    rows.append(row)
+  head = ["method"] + [f"S={c['context']} B={c['batch']}" for c in cells]
+
+  def step(c, rec):
+    if "step" in rec:
+      return f"{_ms(rec['step']['median_s'])} ms ({_x(rec.get('step_ratio'))})"
+    return f"skipped: {rec.get('skipped') or c.get('skipped', 'not run')}"
+
+  def mib(key):
+    return lambda c, rec: f"{_mb(rec.get(key))} MiB ({_x(rec.get(key + '_ratio'))})" if key in rec else "—"
+
+  def rows(cell_text):
+    return [[label] + [cell_text(c, c["methods"].get(label, {})) for c in cells] for label in labels]
+
+  lines += ["## Step time (ms) and ratio to full", ""] + _table(head, rows(step)) + [""]
   lines += ["## Device bytes of the cache state (MiB) and ratio to full", "",
             "Measured with each method's `device_bytes` on its real state arrays (SpeCache: everything but "
             "the 16-bit cache, which belongs to host memory; in the simulated mode it is a device array read "
-            "only through the κ gather).", ""] + _table(head, rows) + [""]
-  rows = []
-  for label in labels:
-    row = [label]
-    for c in cols:
-      rec = c["methods"].get(label, {})
-      row.append(f"{_mb(rec.get('device_bytes_16bit'))} MiB ({_x(rec.get('device_bytes_16bit_ratio'))})"
-                 if "device_bytes_16bit" in rec else "—")
-    rows.append(row)
+            "only through the κ gather).", ""] + _table(head, rows(mib("device_bytes"))) + [""]
   lines += ["## The same with a bfloat16 model (the paper's 16-bit setting), from the state shapes", "",
             "Each method rebuilt for a bfloat16 model (eviction budgets re-matched) and sized with "
-            "`caches.budget.device_bytes_at` (eval_shape; nothing allocated or timed).", ""] + _table(head, rows) + [""]
+            "`caches.budget.device_bytes_at` (eval_shape; nothing allocated or timed).", ""]
+  lines += _table(head, rows(mib("device_bytes_16bit"))) + [""]
   tgt = result.get("target", {})
   verdict = {True: "**met**", False: "**not met**", None: "not measured"}[tgt.get("met")]
   lines += ["## Target", "", f"{tgt.get('rule')}: {verdict} — ratios {json.dumps(tgt.get('ratios'))}", ""]

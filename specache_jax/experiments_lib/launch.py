@@ -1,4 +1,5 @@
-"""Flags every launcher shares: multi-host start-up and the device mesh.
+"""Flags every launcher shares (multi-host start-up, the device mesh) and the bodies of the sweep and benchmark
+launchers.
 
   --distributed      call `jax.distributed.initialize()` before anything else touches JAX (TPU slices, several
                      GPU hosts; the coordinator comes from the environment, as JAX documents)
@@ -16,8 +17,11 @@ import jax
 from absl import app, flags, logging
 
 from specache_jax import sharding
+from specache_jax.bench import models as bench_models
+from specache_jax.bench import report as bench_report
 from specache_jax.checkpoints import CheckpointError
 from specache_jax.errors import ConfigError
+from specache_jax.experiments_lib.store import atomic_write_text
 from specache_jax.offload import MemoryPlanError
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
@@ -70,6 +74,11 @@ def bad_input_as_usage(*extra: type):
     raise app.UsageError(f"{type(e).__name__}: {e}") from None
 
 
+def command_line(name: str) -> str:
+  """The command that reproduces this run of `experiments.<name>` (recorded with its results)."""
+  return shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
+
+
 def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "cell(s)") -> None:
   """The body of every sweep launcher: flags -> (distributed, mesh) -> runner(config, ...) -> printed table."""
   mesh = start(argv)
@@ -78,10 +87,30 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
                          "the hit-rate probes are not sharded); drop --mesh")
   logging.info("config:\n%s", config)
   logging.info("devices: %s; mesh: %s", jax.devices(), mesh)
-  command = shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
   kwargs = {"mesh": mesh} if mesh_ok else {}
   with bad_input_as_usage():
-    result = runner(config, command=command, log=logging.info, **kwargs)
+    result = runner(config, command=command_line(name), log=logging.info, **kwargs)
   print(result.table)
   print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
         f"written to {config.output_dir}/")
+
+
+def write_result(out: str, result: dict, text: str) -> None:
+  """A benchmark's result dict as <out>.json and its markdown as <out>.md; the markdown is printed."""
+  atomic_write_text(out + ".json", bench_report.dumps(result))
+  atomic_write_text(out + ".md", text + "\n")
+  print(text)
+
+
+def run_benchmark(name: str, config, runner, markdown, argv) -> None:
+  """The body of the benchmark launchers: flags (one device) -> the model (bench/models.py) ->
+  runner(config, model, log) -> <config.out>.json and .md (markdown(result)), printed."""
+  if start(argv) is not None:
+    raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device; drop --mesh")
+  logging.info("config:\n%s", config)
+  logging.info("devices: %s", jax.devices())
+  with bad_input_as_usage():
+    model = bench_models.load(config.model, config.dtype, config.seed)
+    result = runner(config, model, log=logging.info)
+  result["meta"]["command"] = command_line(name)
+  write_result(config.out, result, markdown(result))

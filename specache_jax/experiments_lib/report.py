@@ -60,24 +60,21 @@ def mib(n_bytes: float) -> str:
   return f"{n_bytes / 2 ** 20:.2f}"
 
 
-def parse_int_list(text: str | Sequence[int], what: str) -> list[int]:
-  """"1024,2048" (a CLI-friendly string) or a sequence -> ints."""
+def _parse_list(text, what: str, cast, kind: str) -> list:
   items = text.split(",") if isinstance(text, str) else list(text)
   try:
-    out = [int(str(x).strip()) for x in items if str(x).strip()]
+    out = [cast(str(x).strip()) for x in items if str(x).strip()]
   except ValueError:
-    raise ValueError(f"{what}={text!r} must be a comma-separated list of integers") from None
+    raise ValueError(f"{what}={text!r} must be a comma-separated list of {kind}") from None
   if not out:
     raise ValueError(f"{what}={text!r} is empty")
   return out
+
+
+def parse_int_list(text: str | Sequence[int], what: str) -> list[int]:
+  """"1024,2048" (a CLI-friendly string) or a sequence -> ints."""
+  return _parse_list(text, what, int, "integers")
 
 
 def parse_float_list(text: str | Sequence[float], what: str) -> list[float]:
-  items = text.split(",") if isinstance(text, str) else list(text)
-  try:
-    out = [float(str(x).strip()) for x in items if str(x).strip()]
-  except ValueError:
-    raise ValueError(f"{what}={text!r} must be a comma-separated list of numbers") from None
-  if not out:
-    raise ValueError(f"{what}={text!r} is empty")
-  return out
+  return _parse_list(text, what, float, "numbers")
