@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax import decode, guards, validation
+from specache_jax import decode, guards, sharding, validation
 from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.model.decoder import forward_full
+from specache_jax.runtime import OffloadRuntime
 
 
 def _model_parts(model):
@@ -31,11 +32,6 @@ def pad_prompts(prompts, pad_id: int = 0):
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be int [B, T] or a list of token lists; got shape {tokens.shape}")
   return tokens.astype(np.int32), np.full((tokens.shape[0],), tokens.shape[1], np.int32)
-
-
-def check_tokens(cfg, tokens, lengths, max_new_tokens: int = 0, extra: int = 0) -> None:
-  """Validate a batch before anything is compiled (the rules live in validation.check_tokens)."""
-  validation.check_tokens(cfg, tokens, lengths, max_new_tokens, extra)
 
 
 def forward(model, tokens, lengths=None):
@@ -76,37 +72,24 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
     rng = jax.random.key(seed)
   width = -(-toks.shape[1] // 16) * 16
   toks = np.pad(toks, ((0, 0), (0, width - toks.shape[1])))
-  if getattr(method, "offload", False):
-    out = _generate_offloaded(params, cfg, method, toks, lens, max_new_tokens, rng, temperature, top_p,
-                              tuple(int(s) for s in stop_tokens), pad_id, max_len, mesh, check_numerics)
+  stop_tokens = tuple(int(s) for s in stop_tokens)
+  if method.offload:
+    runtime = OffloadRuntime(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1], mesh=mesh,
+                             check_numerics=check_numerics)
+    out = runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id)
     return (out, decode.summarize_stats(out.stats)) if return_stats else out
   if mesh is not None:
-    from specache_jax import sharding
     params = sharding.shard_params(params, cfg, mesh)
     toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
   else:
     toks_d, lens_d = jnp.asarray(toks), jnp.asarray(lens)
-  out = decode.generate_jit(
-      params, toks_d, lens_d, rng, jnp.float32(temperature), jnp.float32(top_p),
-      cfg=cfg, method=method, max_new_tokens=max_new_tokens, greedy=temperature == 0.0,
-      stop_tokens=tuple(int(s) for s in stop_tokens), max_len=max_len, pad_id=pad_id, mesh=mesh,
-      check_numerics=check_numerics)
+  spec = decode.SamplingSpec.make(temperature, top_p, stop_tokens, pad_id)
+  out = decode.generate_jit(params, toks_d, lens_d, rng, spec, cfg=cfg, method=method,
+                            max_new_tokens=max_new_tokens, max_len=max_len, mesh=mesh,
+                            check_numerics=check_numerics)
   if check_numerics:
     out, record = guards.pop_record(out)
     guards.raise_if_bad(record, cfg.n_layers)
   if return_stats:
     return out, decode.summarize_stats(jax.device_get(out.stats))
   return out
-
-
-def _generate_offloaded(params, cfg, method, toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens,
-                        pad_id, max_len, mesh, check_numerics):
-  from specache_jax.runtime import OffloadRuntime
-  cls, kwargs = OffloadRuntime, {}
-  if mesh is not None:
-    from specache_jax.sharding import ShardedOffloadRuntime
-    cls, kwargs = ShardedOffloadRuntime, {"mesh": mesh}
-  if check_numerics:
-    cls = type("Guarded" + cls.__name__, (guards.GuardedRuntimeMixin, cls), {})
-  runtime = cls(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1], **kwargs)
-  return runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id)

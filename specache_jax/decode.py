@@ -1,7 +1,14 @@
-"""Generation: prefill, SpeCache's pre-decoding pass, one jitted `lax.while_loop` decode, sampling.
+"""Generation: one decode protocol for every path — the jitted loop, the offload runtime, teacher forcing and
+the benchmarks.
+
+  prefill -> first token (sampled) -> `start` (SpeCache: the pre-decoding pass + its speculative guess)
+  -> steps: decode [T_t(, T'_{t+1})] -> sample T_{t+1} -> `next_input` -> `speculation` (hits, misses)
+     -> `observe_speculation` (tell the method which rows missed)
 
 Every cache method runs through the same loop; a method that decodes two rows per step (SpeCache: the real
-token and a speculative one) declares `decode_width = 2` and the loop feeds `[T_t, T'_{t+1}]`.
+token and a speculative one) declares `decode_width = 2` and the loop feeds `[T_t, T'_{t+1}]`. The jitted loop
+carries a `DecodeState` and takes a `SamplingSpec`; decoding steps run the decoder's per-layer loop over a
+per-layer cache (`decoder.per_layer`) with per-layer params, so each layer's buffers are updated in place.
 """
 from __future__ import annotations
 
@@ -10,14 +17,36 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from specache_jax import guards
-from specache_jax.caches.base import Cache, CacheConfig
+from specache_jax import guards, sharding
+from specache_jax.caches.base import Cache, CacheConfig, observe_speculation as _observe
+from specache_jax.model import decoder
 from specache_jax.model.config import ModelConfig
-from specache_jax.model.decoder import forward
 
 SLOT_ROUNDING = 128  # cache slots are rounded up so nearby lengths reuse one compiled program
+
+
+def slots_for(n_tokens: int, decode_width: int = 2) -> int:
+  """Cache slots for `n_tokens` tokens plus one step's extra rows, rounded up to SLOT_ROUNDING."""
+  need = n_tokens + decode_width
+  return -(-need // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
+@struct.dataclass
+class SamplingSpec:
+  """How the next token is chosen. temperature/top_p are traced (changing them does not recompile)."""
+  temperature: jax.Array                                             # [] float32; 0 with greedy
+  top_p: jax.Array                                                   # [] float32 nucleus mass
+  greedy: bool = struct.field(pytree_node=False, default=True)       # argmax instead of sampling
+  stop_tokens: tuple = struct.field(pytree_node=False, default=())   # a row is done after one of these
+  pad_id: int = struct.field(pytree_node=False, default=0)           # written after a row is done
+
+  @classmethod
+  def make(cls, temperature: float = 0.0, top_p: float = 1.0, stop_tokens=(), pad_id: int = 0):
+    return cls(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p), greedy=float(temperature) == 0.0,
+               stop_tokens=tuple(int(s) for s in stop_tokens), pad_id=int(pad_id))
 
 
 @struct.dataclass
@@ -27,18 +56,74 @@ class GenerateOutput:
   stats: dict              # method statistics summed over steps and rows, leaves [L] (plus "steps", "spec_*")
 
 
-def sample(logits_BV, rng, temperature, top_p, greedy: bool):
+@struct.dataclass
+class DecodeState:
+  """What the jitted decode loop carries from one step to the next."""
+  step: jax.Array          # [] int32: the output column the next sampled token goes to
+  cache: Cache             # per-layer layout (decoder.per_layer)
+  inp: jax.Array           # [B, W] int32 next input: the real token (and the speculative guess)
+  tokens: jax.Array        # [B, M] int32 output so far
+  done: jax.Array          # [B] bool: the row sampled a stop token
+  num_tokens: jax.Array    # [B] int32
+  rng: jax.Array           # PRNG key
+  stats: dict              # the method's aux summed over steps and active rows, leaves [L]
+  spec_hits: jax.Array     # [] float32 steps whose speculative token was the sampled one (active rows)
+  spec_steps: jax.Array    # [] float32 active row-steps with a speculative token
+  record: jax.Array        # [3] int32 guards' first non-finite record (-1 while finite)
+
+
+def sample(logits_BV, rng, spec: SamplingSpec):
   """Greedy (argmax) or temperature + nucleus sampling with an explicit PRNG key -> [B] int32."""
-  if greedy:
+  if spec.greedy:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  logits = logits_BV / jnp.maximum(temperature, 1e-6)
+  logits = logits_BV / jnp.maximum(spec.temperature, 1e-6)
   order = jnp.argsort(-logits, axis=-1)
   sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
   probs = jax.nn.softmax(sorted_logits, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs                 # mass strictly before each candidate
-  sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)   # the top candidate always stays
+  sorted_logits = jnp.where(before < spec.top_p, sorted_logits, -jnp.inf)   # the top candidate always stays
   choice = jax.random.categorical(rng, sorted_logits, axis=-1)
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def is_stop(tok_B, spec: SamplingSpec):
+  """[B] bool: the token is one of the stop tokens."""
+  if not spec.stop_tokens:
+    return jnp.zeros(tok_B.shape, bool)
+  return jnp.any(tok_B[:, None] == jnp.asarray(spec.stop_tokens, jnp.int32)[None, :], axis=-1)
+
+
+def guess(logits_BV):
+  """The speculative token: the greedy guess of the next token -> [B] int32."""
+  return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+def first_input(method: CacheConfig, first_B, guess_B=None):
+  """The first decoding input [B, W]: [T1] or, for a two-row method, [T1, T'2]."""
+  if method.decode_width == 2:
+    return jnp.stack([first_B, guess_B], axis=1)
+  return first_B[:, None]
+
+
+def next_input(method: CacheConfig, nxt_B, logits_BWV):
+  """The next decoding input [B, W] from the sampled token and this step's logits (the speculative row's
+  argmax is the next guess)."""
+  return first_input(method, nxt_B, guess(logits_BWV[:, -1]) if method.decode_width == 2 else None)
+
+
+def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
+  """(hits [] float32, steps [] float32, missed [B] bool) of this step's speculative tokens; zeros for a one-row
+  method. A row that is not active counts as neither."""
+  if method.decode_width != 2:
+    zero = jnp.zeros((), jnp.float32)
+    return zero, zero, jnp.zeros(nxt_B.shape, bool)
+  missed = inp_BW[:, 1] != nxt_B
+  return (jnp.sum(~missed & active_B).astype(jnp.float32), jnp.sum(active_B).astype(jnp.float32), missed)
+
+
+def observe_speculation(method: CacheConfig, cache: Cache, missed_B) -> Cache:
+  """Tell a two-row method which rows' speculative token missed (its optional hook; see caches/base.py)."""
+  return cache.replace(layers=_observe(method, cache.layers, missed_B))
 
 
 def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
@@ -46,9 +131,20 @@ def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, 
   return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def slots_for(method: CacheConfig, max_prompt: int, max_new_tokens: int) -> int:
-  need = max_prompt + max_new_tokens + method.decode_width
-  return -(-need // SLOT_ROUNDING) * SLOT_ROUNDING
+def prefill(params, cfg: ModelConfig, method: CacheConfig, tokens_BT, lengths_B, cache: Cache):
+  """The prompt through the cache -> (logits at each row's last prompt token [B, V] float32, cache)."""
+  logits, cache, _ = decoder.forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
+                                     logits_at=lengths_B - 1)
+  return logits[:, 0], cache
+
+
+def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
+  """After the first token: SpeCache's pre-decoding pass (over the low-bit copy; picks and fetches κ1) and its
+  guess of token 2. Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
+  if not method.uses_predecode:
+    return first_input(method, first_B), cache, None
+  logits, cache, _ = decoder.forward(params, cfg, first_B[:, None], cache, method, "predecode")
+  return first_input(method, first_B, guess(logits[:, 0])), cache, logits[:, 0]
 
 
 def _masked_sum(aux, active_B):
@@ -57,92 +153,75 @@ def _masked_sum(aux, active_B):
   return jax.tree.map(lambda a: jnp.einsum("lb,b->l", a.astype(jnp.float32), w), aux)
 
 
-def observe_speculation(method: CacheConfig, cache: Cache, missed_B) -> Cache:
-  """Tell a two-row method which rows' speculative token missed (its `observe_speculation` hook, if any)."""
-  observe = getattr(method.impl, "observe_speculation", None)
-  return cache if observe is None else cache.replace(layers=observe(method, cache.layers, missed_B))
+def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeState, spec: SamplingSpec,
+                pin=lambda c: c, check_numerics: bool = False) -> DecodeState:
+  """One step of the protocol: decode the input rows, sample, update the output and speculation counts."""
+  active = ~state.done
+  logits, cache, aux = decoder.forward(params, cfg, state.inp, state.cache, method, "decode")
+  cache = pin(cache)
+  record = state.record
+  if check_numerics:
+    record = guards.update(record, state.step, "decode", logits, cache.layers)
+  rng, sub = jax.random.split(state.rng)
+  nxt = jnp.where(state.done, spec.pad_id, sample(logits[:, 0], sub, spec))
+  hits, steps, missed = speculation(method, state.inp, nxt, active)
+  if method.decode_width == 2:
+    cache = observe_speculation(method, cache, missed)
+  return state.replace(
+      step=state.step + 1, cache=cache, inp=next_input(method, nxt, logits),
+      tokens=jax.lax.dynamic_update_slice(state.tokens, nxt[:, None], (0, state.step)),
+      done=state.done | is_stop(nxt, spec), num_tokens=state.num_tokens + active.astype(jnp.int32), rng=rng,
+      stats=jax.tree.map(jnp.add, state.stats, _masked_sum(aux, active)),
+      spec_hits=state.spec_hits + hits, spec_steps=state.spec_steps + steps, record=record)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "greedy", "stop_tokens",
-                                             "max_len", "pad_id", "mesh", "check_numerics"))
-def generate_jit(params, tokens_BT, lengths_B, rng, temperature, top_p, *, cfg: ModelConfig,
-                 method: CacheConfig, max_new_tokens: int, greedy: bool, stop_tokens: tuple, max_len: int,
-                 pad_id: int, mesh=None, check_numerics: bool = False):
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "max_len", "mesh",
+                                             "check_numerics"))
+def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig,
+                 method: CacheConfig, max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False):
   """mesh: a ("data", "model") Mesh to lay the cache out on (sharding.py; params arrive already sharded).
   check_numerics: carry guards' first-non-finite record, returned as stats[guards.RECORD_KEY]."""
   b = tokens_BT.shape[0]
-  dtype = params["embed"].dtype
-  cache = init_cache(method, cfg, b, max_len, dtype)
-  if mesh is not None:
-    from specache_jax.sharding import constrain_cache
-    pin = lambda c: constrain_cache(c, mesh)
-  else:
-    pin = lambda c: c
-  cache = pin(cache)
+  pin = (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
+  cache = pin(init_cache(method, cfg, b, max_len, params["embed"].dtype))
   record = guards.empty_record()
-  stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-
-  def is_stop(tok_B):
-    return jnp.any(tok_B[:, None] == stops[None, :], axis=-1)
-
-  logits, cache, _ = forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
-                             logits_at=lengths_B - 1)
+  logits, cache = prefill(params, cfg, method, tokens_BT, lengths_B, cache)
   cache = pin(cache)
   if check_numerics:
     record = guards.update(record, 0, "prefill", logits, cache.layers)
   rng, sub = jax.random.split(rng)
-  first = sample(logits[:, 0], sub, temperature, top_p, greedy)
-  if method.uses_predecode:
-    logits_p, cache, _ = forward(params, cfg, first[:, None], cache, method, "predecode")
-    cache = pin(cache)
-    if check_numerics:
-      record = guards.update(record, 1, "predecode", logits_p, cache.layers)
-    inp = jnp.stack([first, jnp.argmax(logits_p[:, 0], axis=-1).astype(jnp.int32)], axis=1)
-  else:
-    inp = first[:, None]
-  out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-  done = is_stop(first)
-  num = jnp.ones((b,), jnp.int32)
-
-  step_shape = jax.eval_shape(lambda c, i: forward(params, cfg, i, c, method, "decode")[2], cache, inp)
-  stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape[:1], jnp.float32), step_shape)
-  spec0 = jnp.zeros((), jnp.float32)
-
-  def cond(carry):
-    i, _, _, _, done, _, _, _, _, _ = carry
-    return (i < max_new_tokens) & ~jnp.all(done)
-
-  def body(carry):
-    i, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total), record = carry
-    active = ~done
-    logits, cache, aux = forward(params, cfg, inp, cache, method, "decode")
-    cache = pin(cache)
-    if check_numerics:
-      record = guards.update(record, i, "decode", logits, cache.layers)
-    rng, sub = jax.random.split(rng)
-    nxt = sample(logits[:, 0], sub, temperature, top_p, greedy)
-    nxt = jnp.where(done, pad_id, nxt)
-    stats = jax.tree.map(jnp.add, stats, _masked_sum(aux, active))
-    if method.decode_width == 2:
-      spec_hits = spec_hits + jnp.sum((inp[:, 1] == nxt) & active)
-      spec_total = spec_total + jnp.sum(active)
-      cache = observe_speculation(method, cache, inp[:, 1] != nxt)
-      inp = jnp.stack([nxt, jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32)], axis=1)
-    else:
-      inp = nxt[:, None]
-    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
-    num = num + active.astype(jnp.int32)
-    done = done | is_stop(nxt)
-    return i + 1, cache, inp, out, done, num, rng, stats, (spec_hits, spec_total), record
-
-  carry = (jnp.int32(1), cache, inp, out, done, num, rng, stats0, (spec0, spec0), record)
-  _, cache, _, out, _, num, _, stats, (spec_hits, spec_total), record = jax.lax.while_loop(cond, body, carry)
-  stats = dict(stats)
-  stats["spec_token_hits"] = spec_hits
-  stats["spec_token_steps"] = spec_total
+  first = sample(logits, sub, spec)
+  inp, cache, logits_p = start(params, cfg, method, first, cache)
+  cache = pin(cache)
+  if check_numerics and logits_p is not None:
+    record = guards.update(record, 1, "predecode", logits_p, cache.layers)
+  # Decoding steps: one buffer per layer (updated in place in the loop) and per-layer weights, sliced once.
+  cache = decoder.per_layer(cache, cfg.n_layers)
+  layer_params = decoder.unstack_params(params, cfg.n_layers)
+  step_aux = jax.eval_shape(
+      lambda c, i: decoder.forward(layer_params, cfg, i, c, method, "decode")[2], cache, inp)
+  state = DecodeState(
+      step=jnp.int32(1), cache=cache, inp=inp,
+      tokens=jnp.full((b, max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first),
+      done=is_stop(first, spec), num_tokens=jnp.ones((b,), jnp.int32), rng=rng,
+      stats=jax.tree.map(lambda s: jnp.zeros(s.shape[:1], jnp.float32), step_aux),
+      spec_hits=jnp.zeros((), jnp.float32), spec_steps=jnp.zeros((), jnp.float32), record=record)
+  state = jax.lax.while_loop(
+      lambda s: (s.step < max_new_tokens) & ~jnp.all(s.done),
+      lambda s: decode_step(layer_params, cfg, method, s, spec, pin, check_numerics), state)
+  stats = dict(state.stats, spec_token_hits=state.spec_hits, spec_token_steps=state.spec_steps)
   if check_numerics:
-    stats[guards.RECORD_KEY] = record
-  return GenerateOutput(tokens=out, num_tokens=num, stats=stats)
+    stats[guards.RECORD_KEY] = state.record
+  return GenerateOutput(tokens=state.tokens, num_tokens=state.num_tokens, stats=stats)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "mesh"))
+def prefill_cache(params, tokens_BT, lengths_B, *, cfg: ModelConfig, method: CacheConfig, max_len: int,
+                  mesh=None) -> Cache:
+  """The cache after the prompt, laid out (on `mesh`, if given) as `generate_jit` lays it out."""
+  pin = (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
+  cache = pin(init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype))
+  return pin(prefill(params, cfg, method, tokens_BT, lengths_B, cache)[1])
 
 
 def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
@@ -152,8 +231,8 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
   if steps:
     res["exact_hit_rate"] = float(stats["spec_token_hits"]) / steps
   if "topk_hits" in stats and "topk_count" in stats:
-    hits = jnp.asarray(stats["topk_hits"])
-    count = jnp.asarray(stats["topk_count"])
-    res["topk_hit_rate"] = float(jnp.sum(hits) / jnp.maximum(jnp.sum(count), 1.0))
-    res["topk_hit_rate_per_layer"] = [float(x) for x in hits / jnp.maximum(count, 1.0)]
+    hits = np.asarray(stats["topk_hits"])
+    count = np.asarray(stats["topk_count"])
+    res["topk_hit_rate"] = float(np.sum(hits) / max(float(np.sum(count)), 1.0))
+    res["topk_hit_rate_per_layer"] = [float(x) for x in hits / np.maximum(count, 1.0)]
   return res

@@ -8,8 +8,8 @@ step and, within it, the lowest bad layer are kept. After the loop `raise_if_bad
 bad is where the fault entered the K/V path — or the layer just before it, if the fault was in that layer's
 query/output/MLP path (which shows up first in the next layer's cache, or in the logits after the last layer).
 
-The offloaded runtime is per layer in Python; `GuardedRuntimeMixin` checks each layer's device state and the
-hidden state after every call (it waits for each step, so use it to debug, not to time).
+The offloaded runtime is per layer in Python; with check_numerics it calls `check_layers` on each layer's device
+state and the hidden state after every phase (it waits for each step, so use it to debug, not to time).
 Step numbering: step 0 is the prefill (it samples token 0); decoding step i samples token i; SpeCache's
 pre-decoding pass (over token 0, before decoding step 1) counts as step 1.
 """
@@ -28,7 +28,10 @@ class NonFiniteError(FloatingPointError):
 
 
 def layer_finite(layers) -> jax.Array:
-  """[L] bool: every floating leaf of the stacked per-layer state (leaves [L, ...]) is finite."""
+  """[L] bool: every floating leaf of the per-layer state (leaves [L, ...], or a tuple of per-layer states)
+  is finite."""
+  if isinstance(layers, (tuple, list)):
+    return jnp.stack([_state_finite(st) for st in layers])
   ok = None
   for leaf in jax.tree.leaves(layers):
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -47,7 +50,7 @@ def empty_record() -> jax.Array:
 def update(record, step, phase: str, logits, layers) -> jax.Array:
   """Keep the first bad (step, phase, layer); layer = L for the logits. step: int32 scalar."""
   ok_L = layer_finite(layers)
-  n_layers = jax.tree.leaves(layers)[0].shape[0]
+  n_layers = len(layers) if isinstance(layers, (tuple, list)) else jax.tree.leaves(layers)[0].shape[0]
   if ok_L is None:
     ok_L = jnp.ones((n_layers,), bool)
   bad_L = ~ok_L
@@ -84,40 +87,23 @@ def pop_record(out):
   return out.replace(stats=stats), record
 
 
+def _state_finite(st) -> jax.Array:
+  """bool: every floating leaf of one layer's state is finite."""
+  leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(st) if jnp.issubdtype(a.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
 @jax.jit
-def _state_and_x_finite(states, x):
+def _states_and_x_finite(states, x):
   """Per-layer states (a list of per-layer trees) and an activation -> ([L] bool, bool)."""
-  per_layer = []
-  for st in states:
-    leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(st) if jnp.issubdtype(a.dtype, jnp.inexact)]
-    per_layer.append(jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True))
-  return jnp.stack(per_layer), jnp.all(jnp.isfinite(x))
+  return jnp.stack([_state_finite(st) for st in states]), jnp.all(jnp.isfinite(x))
 
 
-class GuardedRuntimeMixin:
-  """Mix into an `OffloadRuntime` (first base): raises NonFiniteError at the first bad step."""
-
-  def _guard(self, step: int, phase: str, x):
-    ok_L, x_ok = jax.device_get(_state_and_x_finite(self.states, x))
-    n = len(ok_L)
-    bad = np.flatnonzero(~ok_L)
-    if len(bad) or not x_ok:
-      record = (step, PHASES.index(phase), int(bad[0]) if len(bad) else n)
-      raise_if_bad(np.asarray(record), n)
-
-  def prefill(self, tokens_BT, lengths_B):
-    self._guard_step = 0
-    logits = super().prefill(tokens_BT, lengths_B)
-    self._guard(0, "prefill", logits)
-    return logits
-
-  def predecode(self, first_B, lengths_B):
-    x, pending = super().predecode(first_B, lengths_B)
-    self._guard(1, "predecode", x)
-    return x, pending
-
-  def step(self, inp_BW, lengths_B, pending):
-    self._guard_step += 1
-    x, pending = super().step(inp_BW, lengths_B, pending)
-    self._guard(self._guard_step, "decode", x)
-    return x, pending
+def check_layers(step: int, phase: str, states, x) -> None:
+  """The offload runtime's check after a phase: raise NonFiniteError naming the step and the first bad layer
+  (layer = L: the hidden state / logits). Waits for the step."""
+  ok_L, x_ok = jax.device_get(_states_and_x_finite(list(states), x))
+  n = len(ok_L)
+  bad = np.flatnonzero(~ok_L)
+  if len(bad) or not x_ok:
+    raise_if_bad(np.asarray((step, PHASES.index(phase), int(bad[0]) if len(bad) else n)), n)

@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-HOST_STORES = ("auto", "pinned_host", "numpy")
-
+from specache_jax import sharding
+from specache_jax.arrays import Ready, tree_nbytes
+from specache_jax.caches.specache import HOST_STORES
 
 class MemoryPlanError(ValueError):
   """A run that cannot fit, with the numbers (needed vs available)."""
@@ -75,7 +77,7 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
                 device=None, host_available: int | None = None, device_available: int | None = None) -> MemoryPlan:
   """Sizes from shapes alone (jax.eval_shape), computed before anything is allocated."""
   device = device or jax.devices()[0]
-  nbytes = lambda tree: int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+  nbytes = tree_nbytes
   st = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
   cache_dev = nbytes(st)
   host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
@@ -98,16 +100,6 @@ def resolve_store_kind(kind: str, device) -> str:
     return kind
   kinds = {m.kind for m in device.addressable_memories()}
   return "pinned_host" if "pinned_host" in kinds else "numpy"
-
-
-class _Ready:
-  """A fetch result that is already dispatched (its arrays become ready asynchronously)."""
-
-  def __init__(self, value):
-    self._value = value
-
-  def result(self):
-    return self._value
 
 
 # ----- pinned_host store: host computations on host-memory arrays -----
@@ -159,7 +151,7 @@ class PinnedHostStore:
     idx = self._put_host(kappa_BKX)
     k_rows = jax.device_put(_host_gather(self.k[layer], idx), self.on_device)
     v_rows = jax.device_put(_host_gather(self.v[layer], idx), self.on_device)
-    return _Ready((k_rows, v_rows))
+    return Ready((k_rows, v_rows))
 
   def arrays(self):
     return self.k + self.v
@@ -219,8 +211,47 @@ class NumpyHostStore:
     self._pool.shutdown(wait=True)
 
 
-def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
-  device = device or jax.devices()[0]
+# ----- the stores on a device mesh -----
+
+class _MeshPlacement:
+  """Host-store placement on a mesh: every block [B, K, ...] on ("data", "model"), row starts [B] on data."""
+
+  def _place(self, mesh):
+    self.mesh = mesh
+    self.device = mesh.devices.flat[0]
+    self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
+    self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
+
+  def _put_host(self, x):
+    spec = sharding.layer_leaf_spec(x.shape, stacked=False)
+    return jax.device_put(x, NamedSharding(self.mesh, spec, memory_kind="pinned_host"))
+
+
+class MeshPinnedHostStore(_MeshPlacement, PinnedHostStore):
+  """PinnedHostStore with its pinned_host K/V [B, K, S, H] sharded like the device cache."""
+
+  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
+    self._place(mesh)
+    shape = (batch, n_kv, slots, head_dim)
+    self.k = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+    self.v = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
+
+
+class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
+  """NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
+
+  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
+    NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0])
+    self._place(mesh)
+
+
+def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None):
+  """The host store of `kind` (auto: pinned_host where the device has that memory, else numpy), laid out on
+  `mesh` when given."""
+  device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
   kind = resolve_store_kind(kind, device)
+  if mesh is not None:
+    cls = MeshPinnedHostStore if kind == "pinned_host" else MeshNumpyHostStore
+    return cls(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
   cls = PinnedHostStore if kind == "pinned_host" else NumpyHostStore
   return cls(n_layers, batch, n_kv, slots, head_dim, dtype, device)

@@ -12,16 +12,12 @@ Axis letters as in DESIGN.md.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from specache_jax import decode, offload
-from specache_jax.model import decoder
+from specache_jax.caches.base import Cache
 from specache_jax.model.config import ModelConfig
-from specache_jax.runtime import OffloadRuntime
 
 AXES = ("data", "model")
 
@@ -63,13 +59,13 @@ def param_specs(cfg: ModelConfig) -> dict:
   return specs
 
 
-def _named(mesh: Mesh, specs, memory_kind: str | None = None):
+def named(mesh: Mesh, specs, memory_kind: str | None = None):
   return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), specs,
                       is_leaf=lambda x: isinstance(x, P))
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-  return jax.device_put(params, _named(mesh, param_specs(cfg)))
+  return jax.device_put(params, named(mesh, param_specs(cfg)))
 
 
 def layer_leaf_spec(shape: tuple, n_kv_heads: int | None = None, stacked: bool = True) -> P:
@@ -94,20 +90,17 @@ def layer_leaf_spec(shape: tuple, n_kv_heads: int | None = None, stacked: bool =
 
 
 def cache_specs(cache, n_kv_heads: int | None = None):
-  """PartitionSpecs for a `Cache` (layers [L, B, K, ...], lengths [B]) or a bare stacked state."""
-  from specache_jax.caches.base import Cache
+  """PartitionSpecs for a `Cache` (layers stacked [L, B, K, ...] or a per-layer tuple of [B, K, ...];
+  lengths [B]) or a bare stacked state."""
   if isinstance(cache, Cache):
     return Cache(layers=cache_specs(cache.layers, n_kv_heads), lengths=P("data"))
+  if isinstance(cache, (tuple, list)):
+    return tuple(layer_state_specs(st, n_kv_heads) for st in cache)
   return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads), cache)
 
 
-def layer_state_specs(state, n_kv_heads: int | None = None):
-  """PartitionSpecs for one layer's state (leaves [B, K, ...]) — the offload runtime's per-layer states."""
-  return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads, stacked=False), state)
-
-
 def cache_shardings(cache, mesh: Mesh, n_kv_heads: int | None = None):
-  return _named(mesh, cache_specs(cache, n_kv_heads))
+  return named(mesh, cache_specs(cache, n_kv_heads))
 
 
 def shard_cache(cache, mesh: Mesh, n_kv_heads: int | None = None):
@@ -123,76 +116,3 @@ def shard_batch(mesh: Mesh, tokens_BT, lengths_B):
   """Tokens [B, T] and lengths [B] with B on "data"."""
   return (jax.device_put(np.asarray(tokens_BT), NamedSharding(mesh, P("data", None))),
           jax.device_put(np.asarray(lengths_B), NamedSharding(mesh, P("data"))))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "mesh"))
-def prefill_cache(params, tokens_BT, lengths_B, *, cfg: ModelConfig, method, max_len: int, mesh: Mesh):
-  """The cache after the prompt, laid out on the mesh as `decode.generate_jit` lays it out (memory checks)."""
-  cache = decode.init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype)
-  _, cache, _ = decoder.forward(params, cfg, tokens_BT, constrain_cache(cache, mesh), method, "prefill",
-                                prompt_lengths=lengths_B, logits_at=lengths_B - 1)
-  return constrain_cache(cache, mesh)
-
-
-def per_device_nbytes(tree) -> int:
-  """Bytes the first device holds of a (sharded) pytree: what shrinks as the mesh grows."""
-  return int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)))
-
-
-# ----- the offloaded SpeCache runtime on a mesh -----
-
-class _MeshPlacement:
-  """Host-store placement on a mesh: every block [B, K, ...] on ("data", "model"), row starts [B] on data."""
-
-  def _place(self, mesh):
-    self.mesh = mesh
-    self.device = mesh.devices.flat[0]
-    self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
-    self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
-
-  def _put_host(self, x):
-    spec = layer_leaf_spec(x.shape, stacked=False)
-    return jax.device_put(x, NamedSharding(self.mesh, spec, memory_kind="pinned_host"))
-
-
-class MeshPinnedHostStore(_MeshPlacement, offload.PinnedHostStore):
-  """offload.PinnedHostStore with its pinned_host K/V [B, K, S, H] sharded like the device cache."""
-
-  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
-    self._place(mesh)
-    shape = (batch, n_kv, slots, head_dim)
-    self.k = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
-    self.v = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
-
-
-class MeshNumpyHostStore(_MeshPlacement, offload.NumpyHostStore):
-  """offload.NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
-
-  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
-    offload.NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0])
-    self._place(mesh)
-
-
-class ShardedOffloadRuntime(OffloadRuntime):
-  """The offload runtime (runtime.py) with params, per-layer states and the host store laid out on a mesh.
-  The per-layer programs are the same; jit propagates the input shardings through them."""
-
-  def __init__(self, params, cfg, method, batch: int, max_len: int, prompt_len: int | None = None,
-               mesh: Mesh | None = None, check_memory: bool = True):
-    if mesh is None:
-      raise ValueError("ShardedOffloadRuntime needs mesh= (sharding.make_mesh)")
-    self.mesh = mesh
-    super().__init__(shard_params(params, cfg, mesh), cfg, method, batch, max_len, prompt_len=prompt_len,
-                     device=mesh.devices.flat[0], check_memory=check_memory)
-
-  def _init(self):
-    st = self.method.impl.init(self.method, self.cfg, self.batch, self.max_len, self.dtype)
-    layers = [jax.tree.map(lambda a, l=l: a[l], st) for l in range(self.cfg.n_layers)]
-    specs = layer_state_specs(layers[0], self.cfg.n_kv_heads)
-    self.states = [jax.device_put(s, _named(self.mesh, specs)) for s in layers]
-    if self.store is not None:
-      self.store.close()
-    kind = offload.resolve_store_kind(self.method.host_store, self.device)
-    cls = MeshPinnedHostStore if kind == "pinned_host" else MeshNumpyHostStore
-    self.store = cls(self.mesh, self.cfg.n_layers, self.batch, self.cfg.n_kv_heads,
-                     self.method.slots(self.max_len), self.cfg.head_dim, self.dtype)

@@ -73,6 +73,41 @@ def test_first_bad_step_and_the_logits_are_named():
     run(head)
 
 
+@pytest.mark.parametrize("settings", [SPEC, dict(SPEC, exact_on_miss=True), dict(SPEC, speculative=False)],
+                         ids=["speculative", "exact_on_miss", "non_speculative"])
+def test_offloaded_generation_with_check_numerics_runs_to_the_end(settings):
+  """The runtime's guard is composition, not a class made at run time: every phase of the offloaded runtime
+  (incl. exact_on_miss's synchronous fetches) runs under check_numerics, with the unchecked run's tokens."""
+  model = _model()
+  prompts = random_prompts(6, LENGTHS, model.config.vocab_size)
+  cache = sj.cache_config("specache", offload=True, **settings)
+  plain = sj.generate(model, prompts, max_new_tokens=8, cache=cache, stop_tokens=())
+  checked = sj.generate(model, prompts, max_new_tokens=8, cache=cache, stop_tokens=(), check_numerics=True)
+  np.testing.assert_array_equal(np.asarray(checked.tokens), np.asarray(plain.tokens))
+  assert np.asarray(checked.num_tokens).tolist() == [8, 8]
+
+
+def test_offloaded_guard_names_the_decoding_step_as_the_jitted_loop_does():
+  """A NaN embedding row read only once generated: the offloaded runtime and the jitted loop name the same step."""
+  model = _model()
+  prompts = random_prompts(4, LENGTHS, model.config.vocab_size)
+  caches = {"jit": sj.cache_config("specache", **SPEC), "offload": sj.cache_config("specache", offload=True, **SPEC)}
+  run = lambda m, c: sj.generate(m, prompts, max_new_tokens=8, stop_tokens=(), check_numerics=True, cache=c)
+  clean = np.asarray(run(model, caches["offload"]).tokens)
+  seen = set(np.concatenate(prompts).tolist()) | {0}
+  step, tok = next((j, int(clean[0, j])) for j in range(1, 7)
+                   if int(clean[0, j]) not in seen | set(clean[:, :j].ravel().tolist()))
+  bad = dataclass_replace(model, _with(model.params, ("embed",), lambda e: e.at[tok].set(jnp.nan)))
+  messages = []
+  for cache in caches.values():
+    with pytest.raises(guards.NonFiniteError, match=r"\(decode\)") as err:
+      run(bad, cache)
+    messages.append(str(err.value))
+  assert messages[0] == messages[1]
+  first_bad = int(messages[0].split("at step ")[1].split()[0])
+  assert 1 <= first_bad <= step + 1          # fed as the real token at step+1 (as a guess possibly earlier)
+
+
 def test_record_keeps_the_first_bad_step_and_lowest_layer():
   layers = {"k": jnp.zeros((4, 2, 3)), "codes": jnp.zeros((4, 2), jnp.uint8)}
   rec = guards.update(guards.empty_record(), 0, "prefill", jnp.zeros((2, 5)), layers)

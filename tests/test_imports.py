@@ -23,19 +23,10 @@ PACKAGES = ("specache_jax", "pallas_kernels")
 REASONS = ("optional", "cycle-free:")
 
 # Strongly connected components of the import graph still to be broken (each as its set of modules).
-KNOWN_CYCLES: list[frozenset[str]] = [
-    frozenset({"specache_jax.decode", "specache_jax.runtime", "specache_jax.sharding"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 # (importing module, imported module) pairs of function-level imports still to be moved to the top or given
 # a reason.
-KNOWN_FUNCTION_IMPORTS: set[tuple[str, str]] = {
-    ("specache_jax.api", "specache_jax.runtime"),
-    ("specache_jax.api", "specache_jax.sharding"),
-    ("specache_jax.bench.throughput", "specache_jax.bench.overlap"),
-    ("specache_jax.caches.specache", "pallas_kernels.mixed_decode_attention"),
-    ("specache_jax.decode", "specache_jax.sharding"),
-    ("specache_jax.sharding", "specache_jax.caches.base"),
-}
+KNOWN_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 
 
 def project_modules() -> dict[str, pathlib.Path]:

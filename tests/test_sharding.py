@@ -12,6 +12,7 @@ import specache_jax as sj
 from specache_jax import decode, sharding
 from specache_jax.caches import METHOD_NAMES, config_class
 from specache_jax.model.init import param_shapes
+from specache_jax.runtime import OffloadRuntime
 from tests.tiny import random_prompts, tiny_model
 
 LENGTHS = [29, 13, 22, 9]          # a ragged batch of 4 (data=2 splits it, data=4 too)
@@ -117,7 +118,7 @@ def test_prefill_on_the_mesh_keeps_the_cache_sharded():
   mesh = sharding.make_mesh(2, 2)
   params = sharding.shard_params(model.params, cfg, mesh)
   toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
-  cache = sharding.prefill_cache(params, toks_d, lens_d, cfg=cfg, method=method, max_len=64, mesh=mesh)
+  cache = decode.prefill_cache(params, toks_d, lens_d, cfg=cfg, method=method, max_len=64, mesh=mesh)
   for leaf in jax.tree.leaves(cache.layers):
     want = (None, "data", "model") if leaf.ndim >= 4 else (None, "data")    # [L, B, K, ...] or per row [L, B]
     assert leaf.sharding.spec[:len(want)] == want, leaf.sharding
@@ -144,8 +145,8 @@ def test_offloaded_on_mesh_equals_unsharded_and_shards_the_host_store(store):
   toks, lens = sj.pad_prompts(random_prompts(5, LENGTHS, cfg.vocab_size))
   mesh = sharding.make_mesh(2, 2)
   method = sj.cache_config("specache", offload=True, host_store=store, **METHODS["specache"])
-  rt = sharding.ShardedOffloadRuntime(mdl.params, cfg, method, 4, decode.slots_for(method, max(LENGTHS), NEW),
-                                      mesh=mesh)
+  rt = OffloadRuntime(mdl.params, cfg, method, 4, decode.slots_for(max(LENGTHS) + NEW, method.decode_width),
+                      mesh=mesh)
   out = rt.generate(toks, lens, NEW, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(out.tokens), _unsharded("specache"))
   for st in rt.states:

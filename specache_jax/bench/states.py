@@ -20,7 +20,7 @@ from specache_jax import decode
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches.base import Cache, CacheConfig, check_int, stack_layers
 from specache_jax.errors import ConfigError
-from specache_jax.model.decoder import forward
+from specache_jax.model import decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +71,8 @@ def _capture_jit(params, tokens_BT, lengths_B, *, cfg):
   b, t = tokens_BT.shape
   method = CaptureConfig(width=t)
   cache = decode.init_cache(method, cfg, b, t, params["embed"].dtype)
-  logits, cache, _ = forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
-                             logits_at=lengths_B - 1)
-  return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache.layers
+  logits, cache = decode.prefill(params, cfg, method, tokens_BT, lengths_B, cache)
+  return decode.guess(logits), cache.layers
 
 
 def capture(params, cfg, tokens_BT, lengths_B, rows_at_once: int = 1):
@@ -119,16 +118,13 @@ def build_cache(captured: Captured, lengths_B, *, cfg, method: CacheConfig, max_
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
 def first_decode_input(params, first_B, cache: Cache, *, cfg, method: CacheConfig):
-  """The decoding loop's first input: [T1] or, for SpeCache, [T1, T'2] after the pre-decoding pass (which
-  also fetches κ1). Returns (inp [B, W] int32, cache)."""
-  if not method.uses_predecode:
-    return first_B[:, None], cache
-  logits, cache, _ = forward(params, cfg, first_B[:, None], cache, method, "predecode")
-  return jnp.stack([first_B, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)], axis=1), cache
+  """The decoding loop's first input (`decode.start`: SpeCache's pre-decoding pass fetches κ1) and the cache
+  in the per-layer layout decoding steps update in place. Returns (inp [B, W] int32, cache)."""
+  inp, cache, _ = decode.start(params, cfg, method, first_B, cache)
+  return inp, decoder.per_layer(cache, cfg.n_layers)
 
 
 def cell_slots(prompt_len: int, decode_steps: int) -> int:
   """One slot count for every method of a benchmark cell: enough for the widest method (2 rows per step),
   rounded like `sj.generate`. Budget-matched methods are sized at exactly this many slots."""
-  need = prompt_len + decode_steps + 2
-  return -(-need // decode.SLOT_ROUNDING) * decode.SLOT_ROUNDING
+  return decode.slots_for(prompt_len + decode_steps, decode_width=2)

@@ -19,37 +19,30 @@ import jax.numpy as jnp
 
 from specache_jax import decode
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import states, timing
-from specache_jax.bench.common import error_reason as _error_reason, random_prompts
+from specache_jax.bench import overlap, states, timing
+from specache_jax.bench.common import RuntimeDriver, error_reason as _error_reason, random_prompts
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model import decoder as dec
-from specache_jax.runtime import OffloadRuntime
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len"))
 def prefill_jit(params, tokens_BT, lengths_B, *, cfg, method, max_len):
-  """Prefill (+ SpeCache's pre-decoding pass) -> (first decode input [B, W] int32, cache)."""
+  """Prefill (+ SpeCache's pre-decoding pass) -> (first decode input [B, W] int32, per-layer cache)."""
   cache = decode.init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype)
-  logits, cache, _ = dec.forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
-                                 logits_at=lengths_B - 1)
-  first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-  if not method.uses_predecode:
-    return first[:, None], cache
-  logits, cache, _ = dec.forward(params, cfg, first[:, None], cache, method, "predecode")
-  return jnp.stack([first, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)], axis=1), cache
+  logits, cache = decode.prefill(params, cfg, method, tokens_BT, lengths_B, cache)
+  inp, cache, _ = decode.start(params, cfg, method, decode.guess(logits), cache)
+  return inp, dec.per_layer(cache, cfg.n_layers)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def decode_step_jit(params, inp_BW, cache, *, cfg, method):
-  """One greedy step: [T_t(, T'_{t+1})] -> [T_{t+1}(, T'_{t+2})], cache."""
-  logits, cache, _ = dec.forward(params, cfg, inp_BW, cache, method, "decode")
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnums=(2,))
+def decode_step_jit(layer_params, inp_BW, cache, *, cfg, method):
+  """One greedy step: [T_t(, T'_{t+1})] -> [T_{t+1}(, T'_{t+2})], cache (per-layer, donated: updated in
+  place, as in the decode loop). layer_params: `decoder.unstack_params(params)` (no weight slicing per step)."""
+  logits, cache, _ = dec.forward(layer_params, cfg, inp_BW, cache, method, "decode")
+  return decode.next_input(method, decode.guess(logits[:, 0]), logits), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def greedy_rows(params, x_BWD, *, cfg):
-  """Argmax of the LM head at every row: [B, W] int32 (row 0 the real token, row 1 the speculative one)."""
-  return jnp.argmax(dec.lm_head(params, cfg, x_BWD), axis=-1).astype(jnp.int32)
+unstack_params_jit = jax.jit(dec.unstack_params, static_argnums=(1,))
 
 
 def transfer_formula(cfg, method, batch: int, dtype) -> dict:
@@ -74,6 +67,7 @@ class JitRunner:
 
   def __init__(self, model, method, tokens, lengths, slots: int):
     self.params, self.cfg, self.method, self.slots = model.params, model.config, method, slots
+    self.layer_params = unstack_params_jit(model.params, model.config.n_layers)
     self.toks, self.lens = jnp.asarray(tokens), jnp.asarray(lengths)
     t0 = time.perf_counter()
     self.prefill_fn = prefill_jit.lower(self.params, self.toks, self.lens, cfg=self.cfg, method=method,
@@ -86,7 +80,7 @@ class JitRunner:
     return sec
 
   def _step(self, carry):
-    return decode_step_jit(self.params, carry[0], carry[1], cfg=self.cfg, method=self.method)
+    return decode_step_jit(self.layer_params, carry[0], carry[1], cfg=self.cfg, method=self.method)
 
   def chain(self, n: int, warmup: int = 0) -> float:
     sec, self.carry = timing.time_chain(self._step, self.carry, warmup, n)
@@ -94,43 +88,12 @@ class JitRunner:
 
   def finish(self) -> dict:
     method, layers = self.method, self.carry[1].layers
-    host = int(method.impl.host_bytes(method, layers)) if hasattr(method.impl, "host_bytes") else 0
-    return dict(self.record, device_bytes=int(method.impl.device_bytes(method, layers)), host_bytes=host,
+    return dict(self.record, device_bytes=method.device_bytes(layers), host_bytes=method.host_bytes(layers),
                 resident_bytes=tree_nbytes(layers),
                 h2d_bytes_per_step=fetched_bytes(layers) if method.name == "specache" else 0,
                 d2h_bytes_per_step=0,
                 note="SpeCache simulated: the 16-bit cache is a device array (host_bytes counted, not moved)"
                      if method.name == "specache" else "")
-
-
-class RuntimeDriver:
-  """Greedy decoding through an `OffloadRuntime` with the next input kept on the device."""
-
-  def __init__(self, model, method, batch: int, max_len: int, prompt_len: int):
-    self.params, self.cfg, self.method = model.params, model.config, method
-    self.rt = OffloadRuntime(model.params, model.config, method, batch, max_len, prompt_len=prompt_len)
-
-  def prefill(self, tokens_BT, lengths_B):
-    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches)."""
-    lengths = jnp.asarray(lengths_B, jnp.int32)
-    logits = self.rt.prefill(jnp.asarray(tokens_BT), lengths)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not self.method.speculative:
-      return first[:, None], lengths, None
-    x, pending = self.rt.predecode(first, lengths)
-    spec = greedy_rows(self.params, x, cfg=self.cfg)                        # [B, 1]
-    return jnp.concatenate([first[:, None], spec], axis=1), lengths, pending
-
-  def step(self, carry):
-    inp, lengths, pending = carry
-    x, pending = self.rt.step(inp, lengths, pending)
-    return greedy_rows(self.params, x, cfg=self.cfg), lengths + 1, pending
-
-  def sync(self, carry):
-    """What must be finished for the steps so far to count as done (incl. the issued fetches and appends)."""
-    inp, lengths, pending = carry
-    fetched = [p.result() for p in pending] if pending else []
-    return inp, lengths, fetched, self.rt.states, self.rt.store.arrays()
 
 
 class OffloadRunner:
@@ -168,7 +131,7 @@ class OffloadRunner:
 
 
 def make_runner(model, method, tokens, lengths, slots: int):
-  cls = OffloadRunner if getattr(method, "offload", False) else JitRunner
+  cls = OffloadRunner if method.offload else JitRunner
   return cls(model, method, tokens, lengths, slots)
 
 
@@ -245,7 +208,6 @@ def run(config, model, log: Callable[[str], None] = print) -> dict:
       _add_ratios(cell, config.reference)
   result = {"meta": meta, "cells": cells}
   if config.overlap.enabled:
-    from specache_jax.bench import overlap
     if time.perf_counter() > deadline:
       result["overlap"] = {"skipped": "out of time (config.max_seconds)"}
     else:

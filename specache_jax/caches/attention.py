@@ -75,6 +75,13 @@ def valid_cols_mask(lengths_B, s: int, t: int):
   return jnp.broadcast_to(m[:, None, None, :], (lengths_B.shape[0], 1, t, s))
 
 
+def read_before_write(result, state):
+  """Order a state's in-place update after what was read from it: `state` comes back tied to `result`, so the
+  scatter that follows depends on the reads and XLA updates the buffers in place instead of copying them
+  (with an independent reader and writer of one buffer, XLA copies it to keep both orders legal)."""
+  return jax.lax.optimization_barrier((result, state))
+
+
 def write_rows(buf_BKSH, rows_BKTH, start_B):
   """Write rows [B, K, T, H] into buf [B, K, S, H] at slot start[b] per batch row."""
   def one(buf, rows, start):

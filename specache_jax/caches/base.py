@@ -1,18 +1,16 @@
-"""What every cache method shares: the config base class, the per-row lengths wrapper, the name registry.
+"""What every cache method shares: the method protocol, the config base class with its optional hooks, the
+per-row lengths wrapper.
 
-A method lives in one file (`full.py`, `kivi.py`, `specache.py`, `streaming.py`, `h2o.py`) with a frozen config
-dataclass subclassing `CacheConfig` and module-level pure functions
-  init(cfg, model_cfg, batch, max_len, dtype) -> State          (leaves [L, ...])
-  prefill(cfg, st, k[B,T,K,H], v[B,T,K,H], lengths[B], colsum[B,K,T] | None) -> st   (per-layer st)
-  attend(cfg, st, q[B,T,N,H], k_new[B,T,K,H], v_new[B,T,K,H], lengths[B]) -> (out[B,T,N,H], st, aux)
-  device_bytes(cfg, st) -> int
-The decoder reaches them through `cfg.impl` (the module), never by comparing names.
+A method lives in one file (`full.py`, `kivi.py`, `specache.py`, `streaming.py`, `h2o.py`): a frozen config
+dataclass subclassing `CacheConfig`, and a module of pure functions (`MethodModule`) reached through
+`cfg.impl`, never by comparing names. Hooks only some methods have (SpeCache's speculation record, host
+bytes, pre-decoding) are declared here with their neutral default and overridden by the method's config, so
+callers never probe with getattr/hasattr.
 """
 from __future__ import annotations
 
 import dataclasses
-import types
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +20,33 @@ from specache_jax.errors import ConfigError
 from specache_jax.model.config import ModelConfig
 
 
+class MethodModule(Protocol):
+  """The functions every method module provides (states are per layer unless said; `init` stacks [L, ...])."""
+
+  def init(self, cfg: "CacheConfig", model_cfg: ModelConfig, batch: int, max_len: int, dtype) -> Any:
+    """The empty state, leaves [L, ...]."""
+
+  def prefill(self, cfg: "CacheConfig", st, k, v, lengths, colsum=None) -> Any:
+    """Store a right-padded prompt: k, v [B,T,K,H] after RoPE, lengths [B], colsum [B,K,T] | None (H2O)."""
+
+  def attend(self, cfg: "CacheConfig", st, q, k_new, v_new, lengths) -> tuple:
+    """New rows q [B,T,N,H], k_new/v_new [B,T,K,H] after `lengths` stored tokens -> (out [B,T,N,H], st, aux)."""
+
+  def device_bytes(self, cfg: "CacheConfig", st) -> int:
+    """Bytes the state keeps in accelerator memory."""
+
+
 class CacheConfig:
-  """Base of every method's frozen config dataclass."""
+  """Base of every method's frozen config dataclass, with the optional hooks' defaults."""
   name: ClassVar[str] = ""
   # Query rows per decoding step (SpeCache: 2 = real + speculative) and rows stored of them.
   decode_width: ClassVar[int] = 1
   needs_attention_colsum: ClassVar[bool] = False
-  uses_predecode: ClassVar[bool] = False
+  uses_predecode: ClassVar[bool] = False      # the module has predecode(cfg, st, q, k, v, lengths)
+  offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it)
 
   @property
-  def impl(self) -> types.ModuleType:
+  def impl(self) -> MethodModule:
     raise NotImplementedError
 
   def validate(self, model_cfg: ModelConfig, max_len: int) -> None:
@@ -45,10 +60,33 @@ class CacheConfig:
     """The slot count S to allocate for `max_len` tokens (methods round up to their group sizes)."""
     return max_len
 
+  def observe_speculation(self, st, missed_B):
+    """Hook: before the next step, which rows' speculative token was wrong (a state of any layout)."""
+    del missed_B
+    return st
+
+  def host_bytes(self, st) -> int:
+    """Hook: bytes of the state that belong to host memory (SpeCache's complete 16-bit cache)."""
+    del st
+    return 0
+
+  def device_bytes(self, st) -> int:
+    """Bytes of the state in accelerator memory (the module's `device_bytes`; a per-layer tuple is summed)."""
+    if isinstance(st, (tuple, list)):
+      return int(sum(self.device_bytes(s) for s in st))
+    return int(self.impl.device_bytes(self, st))
+
+
+def observe_speculation(method: CacheConfig, layers, missed_B):
+  """The hook over a stacked state or a per-layer tuple of states."""
+  if isinstance(layers, (tuple, list)):
+    return tuple(method.observe_speculation(st, missed_B) for st in layers)
+  return method.observe_speculation(layers, missed_B)
+
 
 @struct.dataclass
 class Cache:
-  layers: Any                 # the method's State, leaves [L, ...]
+  layers: Any                 # the method's State: leaves [L, ...], or a tuple of per-layer States
   lengths: jax.Array          # [B] int32 tokens stored per row
 
 
@@ -64,7 +102,3 @@ def check_int(name: str, value, minimum: int = 0) -> None:
 def stack_layers(n_layers: int, tree):
   """Give every leaf of a per-layer state a leading L axis."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n_layers,) + x.shape), tree)
-
-
-def tree_nbytes(tree) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))

@@ -40,15 +40,19 @@ def prefill(method, st: State, k, v, lengths, colsum=None) -> State:
 
 
 def attend(method, st: State, q, k_new, v_new, lengths):
-  """Every cached slot < lengths plus the new rows (causal); all T new rows are stored."""
+  """Every cached slot < lengths plus the new rows (causal); all T new rows are stored.
+
+  The new rows are written first and attention reads the updated buffers (row i sees slots < lengths + i + 1):
+  one writer then one reader, so the write is in place (a read of the old buffer beside an independent write
+  would make XLA copy the whole cache)."""
   del method
   b, t, _, _ = q.shape
   n_kv, s = st.k.shape[1], st.k.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)           # [B, K, T, H]
-  sm_scale = q.shape[-1] ** -0.5
-  out, _ = A.segmented_attention(
-      q, [(st.k, st.v, A.valid_cols_mask(lengths, s, t)), (kn, vn, A.causal_new_mask(b, t))], sm_scale, n_kv)
   st = State(k=A.write_rows(st.k, kn, lengths), v=A.write_rows(st.v, vn, lengths))
+  cols_S = jnp.arange(s)[None, None, :]
+  mask_BTS = cols_S < (lengths[:, None, None] + jnp.arange(1, t + 1)[None, :, None])
+  out, _ = A.segmented_attention(q, [(st.k, st.v, mask_BTS[:, None])], q.shape[-1] ** -0.5, n_kv)
   return out, st, {}
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.mixed_decode_attention import mixed_decode_attention
 from specache_jax import quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
@@ -30,6 +31,7 @@ from specache_jax.caches.base import CacheConfig, check_int, stack_layers
 from specache_jax.errors import ConfigError
 
 ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
+HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,8 @@ class SpeCacheConfig(CacheConfig):
                         "(keys are quantized a whole residual window at a time)")
     if self.one_bit not in quant.ONE_BIT_RULES:
       raise ConfigError(f"one_bit={self.one_bit!r} must be one of {quant.ONE_BIT_RULES}")
-    if self.host_store not in ("auto", "pinned_host", "numpy"):
-      raise ConfigError(f"host_store={self.host_store!r} must be one of ('auto', 'pinned_host', 'numpy')")
+    if self.host_store not in HOST_STORES:
+      raise ConfigError(f"host_store={self.host_store!r} must be one of {HOST_STORES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
 
@@ -91,6 +93,14 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
                         f"max_len={max_len})")
 
+  def observe_speculation(self, st, missed_B):
+    return observe_speculation(self, st, missed_B)
+
+  def host_bytes(self, st) -> int:
+    if isinstance(st, (tuple, list)):
+      return int(sum(host_bytes(self, s) for s in st))
+    return host_bytes(self, st)
+
   @property
   def qargs(self):
     return dict(bits=self.bits, group_size=self.group_size, residual=self.residual, one_bit=self.one_bit)
@@ -109,12 +119,12 @@ class State:
   miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
 
 
-def init(cfg: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
-  cfg.validate(model_cfg, max_len)
-  s, k, h, x = cfg.slots(max_len), model_cfg.n_kv_heads, model_cfg.head_dim, cfg.topk
-  host = (batch, k, 0 if cfg.offload else s, h)
+def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
+  method.validate(model_cfg, max_len)
+  s, k, h, x = method.slots(max_len), model_cfg.n_kv_heads, model_cfg.head_dim, method.topk
+  host = (batch, k, 0 if method.offload else s, h)
   st = State(
-      low=lowbit.init(batch, k, s, h, cfg.bits, cfg.group_size, cfg.residual, dtype),
+      low=lowbit.init(batch, k, s, h, method.bits, method.group_size, method.residual, dtype),
       k16=jnp.zeros(host, dtype), v16=jnp.zeros(host, dtype),
       kappa=jnp.zeros((batch, k, x), jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
@@ -123,28 +133,39 @@ def init(cfg: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
   return stack_layers(model_cfg.n_layers, st)
 
 
-def prefill(cfg: SpeCacheConfig, st: State, k, v, lengths, colsum=None) -> State:
+def prefill(method: SpeCacheConfig, st: State, k, v, lengths, colsum=None) -> State:
   del colsum
   k_BKTH, v_BKTH = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  st = st.replace(low=lowbit.prefill(st.low, k_BKTH, v_BKTH, lengths, **cfg.qargs))
-  if not cfg.offload:
+  st = st.replace(low=lowbit.prefill(st.low, k_BKTH, v_BKTH, lengths, **method.qargs))
+  if not method.offload:
     zero = jnp.zeros_like(lengths)
     st = st.replace(k16=A.write_rows(st.k16, k_BKTH, zero), v16=A.write_rows(st.v16, v_BKTH, zero))
   return st
 
 
+def with_fetched(st: State, kappa_BKX, k_rows_BKXH, v_rows_BKXH) -> State:
+  """The one writer of κ and its fetched 16-bit rows (the simulated gather and the host store both end here)."""
+  return st.replace(kappa=kappa_BKX, fetched_k=k_rows_BKXH.astype(st.fetched_k.dtype),
+                    fetched_v=v_rows_BKXH.astype(st.fetched_v.dtype))
+
+
 def fetch_simulated(st: State, kappa_BKX) -> State:
   """The simulated transfer: the only read of the 16-bit cache, a gather at κ."""
-  return st.replace(kappa=kappa_BKX, fetched_k=A.gather_rows(st.k16, kappa_BKX),
-                    fetched_v=A.gather_rows(st.v16, kappa_BKX))
+  return with_fetched(st, kappa_BKX, A.gather_rows(st.k16, kappa_BKX), A.gather_rows(st.v16, kappa_BKX))
 
 
-def select(cfg: SpeCacheConfig, probs_BKS, n_candidates_B):
+def _fetch(method: SpeCacheConfig, st: State, kappa_BKX) -> State:
+  """Simulated: gather the rows now. Offloaded: only record κ; the runtime's host store supplies the rows
+  (`with_fetched`) before the next attend. The one place the two paths differ."""
+  return st.replace(kappa=kappa_BKX) if method.offload else fetch_simulated(st, kappa_BKX)
+
+
+def select(method: SpeCacheConfig, probs_BKS, n_candidates_B):
   """κ = top-k positions of the group-averaged probabilities among positions < n_candidates."""
   s = probs_BKS.shape[-1]
   ok = jnp.arange(s)[None, None, :] < n_candidates_B[:, None, None]
   scores = jnp.where(ok, probs_BKS, -1.0)
-  return jax.lax.top_k(scores, cfg.topk)[1].astype(jnp.int32)
+  return jax.lax.top_k(scores, method.topk)[1].astype(jnp.int32)
 
 
 def _membership(pos_BKY, set_BKX):
@@ -152,13 +173,19 @@ def _membership(pos_BKY, set_BKX):
   return jnp.any(pos_BKY[..., None] == set_BKX[:, :, None, :], axis=-1)
 
 
-def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool):
+def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
+                    ring=None):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit) and the new rows. Returns out [B,T,N,H] and the LAST row's probabilities per position averaged
-  over each group, [B, K, S] float32 (the new rows' columns land at positions n .. n+T-1)."""
+  over each group, [B, K, S] float32 (the new rows' columns land at positions n .. n+T-1).
+
+  ring: (ring_k, ring_v) as they were before this step's row was stored (`attend` stores first, so the big
+  buffers are written in place; the codes it wrote are at positions this attention masks); default st's."""
+  if ring is not None:
+    st = st.replace(low=st.low.replace(ring_k=ring[0], ring_v=ring[1]))
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
-  key_qlen, val_qlen = lowbit.boundaries(lengths, cfg.residual)
+  key_qlen, val_qlen = lowbit.boundaries(lengths, method.residual)
   s = st.low.k_codes.shape[2]
   kappa = st.kappa
   x = kappa.shape[-1]
@@ -167,15 +194,15 @@ def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths
   else:
     kap_use = jnp.zeros(kappa.shape, bool)
   kap_set = jnp.where(kap_use, kappa, -2)
-  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=cfg.bits, group_size=cfg.group_size,
-                                                 residual=cfg.residual)
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=method.bits, group_size=method.group_size,
+                                                 residual=method.residual)
   ring_ok = (ring_pos >= 0) & ~_membership(ring_pos, kap_set)             # [B, K, R]
   kap_mask = jnp.broadcast_to(kap_use[:, :, None, :], (b, n_kv, t, x))
-  ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, cfg.residual))
+  ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, method.residual))
   new_mask = A.causal_new_mask(b, t)
   sm_scale = h ** -0.5
-  if cfg.attention_impl == "jnp":
-    keys, values = lowbit.dequantized(st.low, bits=cfg.bits, group_size=cfg.group_size)
+  if method.attention_impl == "jnp":
+    keys, values = lowbit.dequantized(st.low, bits=method.bits, group_size=method.group_size)
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
     excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
     low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
@@ -186,7 +213,6 @@ def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths
     last = lambda p: jnp.mean(p[:, :, :, -1, :], axis=2)                  # [B, K, cols]
     probs_low, probs_extra = last(p_low), jnp.concatenate([last(p_ring), last(p_kap), last(p_new)], -1)
   else:
-    from pallas_kernels.mixed_decode_attention import mixed_decode_attention
     extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
                                kn_BKTH.astype(q.dtype)], axis=2)
     extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
@@ -194,8 +220,8 @@ def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
     out, probs_low, probs_extra = mixed_decode_attention(
         q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
-        val_qlen, jnp.where(kap_use, kappa, -1), extra_k, extra_v, extra_mask, bits=cfg.bits,
-        group_size=cfg.group_size, sm_scale=sm_scale, interpret=cfg.attention_impl == "pallas_interpret")
+        val_qlen, jnp.where(kap_use, kappa, -1), extra_k, extra_v, extra_mask, bits=method.bits,
+        group_size=method.group_size, sm_scale=sm_scale, interpret=method.attention_impl == "pallas_interpret")
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
@@ -205,19 +231,19 @@ def mixed_attention(cfg: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths
   return out, probs
 
 
-def store(cfg: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
+def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
   """Append the real row: quantized/residual on the device, 16-bit to the (simulated) host."""
-  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **cfg.qargs),
+  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **method.qargs),
                   new_k=k_BKH[:, :, None].astype(st.new_k.dtype), new_v=v_BKH[:, :, None].astype(st.new_v.dtype))
-  if not cfg.offload:
+  if not method.offload:
     st = st.replace(k16=A.write_rows(st.k16, k_BKH[:, :, None], lengths),
                     v16=A.write_rows(st.v16, v_BKH[:, :, None], lengths))
   return st
 
 
-def _hit_stats(cfg: SpeCacheConfig, st: State, q, lengths, kappa_used):
+def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
   """Top-k hit rate of κ vs the real row's exact top-k over the 16-bit keys (simulated mode only)."""
-  if not cfg.track_hits or cfg.offload:
+  if not method.track_hits or method.offload:
     return {}
   b, _, n_heads, h = q.shape
   n_kv = st.k16.shape[1]
@@ -225,64 +251,84 @@ def _hit_stats(cfg: SpeCacheConfig, st: State, q, lengths, kappa_used):
   s = st.k16.shape[2]
   mask = jnp.broadcast_to(A.valid_cols_mask(lengths, s, 1), (b, n_kv, 1, s))
   p = jax.nn.softmax(A.segment_logits(q0, st.k16, mask, h ** -0.5), axis=-1)
-  exact = select(cfg, jnp.mean(p[:, :, :, 0, :], axis=2), lengths)         # [B, K, X]
+  exact = select(method, jnp.mean(p[:, :, :, 0, :], axis=2), lengths)         # [B, K, X]
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(_membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
-  denom = jnp.minimum(cfg.topk, lengths)[:, None].astype(jnp.float32)
+  denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
   return {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1), "topk_count": jnp.ones((b,))}
 
 
-def attend(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+def fetches_on_critical_path(method: SpeCacheConfig) -> bool:
+  """Whether a step may choose (and so fetch) its own κ_t before attention: the non-speculative ablation
+  always, exact_on_miss for the rows whose speculative token was wrong."""
+  return (not method.speculative) or method.exact_on_miss
+
+
+def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
+  """κ_t for this step's attention, chosen now from the real row (step 1 of a SpeCache step).
+
+  Non-speculative: the real row's own low-bit top-k. exact_on_miss: that, for the rows whose speculative
+  token missed (`st.miss`), else the prefetched κ_t. Only called when `fetches_on_critical_path(method)`."""
+  real = choose_nonspeculative(method, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths, ring)
+  if not method.speculative:
+    return real
+  return jnp.where(st.miss[:, None, None], real, st.kappa)
+
+
+def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring):
+  """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row already
+  stored (`ring`: the ring before it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
+  κ_{t+1} from the speculative row (recorded in `st.kappa`; fetched by the caller). -> (out [B,T,N,H], st, aux)"""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)            # [B, K, T, H]
-  if not cfg.speculative and not cfg.offload:
-    # the ablation: κ_t from the real row's own low-bit attention, fetched before attention (synchronous);
-    # offloaded, the runtime calls choose_nonspeculative and fetches before calling attend.
-    st = fetch_simulated(st, choose_nonspeculative(cfg, st, q, k_new, v_new, lengths))
-  aux = {}
-  if cfg.exact_on_miss and cfg.speculative:
-    if not cfg.offload:   # offloaded, the runtime does the synchronous fetch for the rows that missed
-      kappa_real = choose_nonspeculative(cfg, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths)
-      exact = fetch_simulated(st, kappa_real)
-      pick = lambda a, b: jnp.where(st.miss.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-      st = st.replace(kappa=pick(exact.kappa, st.kappa), fetched_k=pick(exact.fetched_k, st.fetched_k),
-                      fetched_v=pick(exact.fetched_v, st.fetched_v))
-    aux["exact_fetches"] = st.miss.astype(jnp.float32)
-  aux.update(_hit_stats(cfg, st, q, lengths, st.kappa))
-  out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=True)
-  st = store(cfg, st, kn[:, :, 0], vn[:, :, 0], lengths)
-  if cfg.speculative:
-    kappa_next = select(cfg, probs, lengths + 1)                            # candidates 0..n (T_t included)
-    st = fetch_simulated(st, kappa_next) if not cfg.offload else st.replace(kappa=kappa_next)
+  aux = {"exact_fetches": st.miss.astype(jnp.float32)} if method.exact_on_miss and method.speculative else {}
+  aux.update(_hit_stats(method, st, q, lengths, st.kappa))
+  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring)
+  if method.speculative:
+    st = st.replace(kappa=select(method, probs, lengths + 1))              # candidates 0..n (T_t included)
   return out, st, aux
 
 
-def observe_speculation(cfg: SpeCacheConfig, st: State, miss_B) -> State:
+def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  """One SpeCache decoding step for one layer: store the real row (device: low-bit + ring; simulated: also
+  the 16-bit copy), then (1) κ_t — prefetched, or chosen now on the critical path — (2) attend, (3) select
+  κ_{t+1} and fetch it. Offloaded, the runtime does the fetches of (1) and (3) with its host store;
+  simulated, `_fetch` gathers on the device. Storing first lets every big buffer be updated in place: what
+  this step reads of them (positions < lengths) is not what it writes."""
+  ring = (st.low.ring_k, st.low.ring_v)
+  st = store(method, st, k_new[:, 0], v_new[:, 0], lengths)
+  if fetches_on_critical_path(method) and not method.offload:
+    st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths, ring))
+  out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths, ring)
+  if method.speculative:
+    st = _fetch(method, st, st.kappa)
+  return out, st, aux
+
+
+def observe_speculation(method: SpeCacheConfig, st: State, miss_B) -> State:
   """Decode-loop hook: record, before the next step, which rows' speculative token was wrong."""
-  if not cfg.exact_on_miss:
+  if not method.exact_on_miss:
     return st
   return st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
 
 
-def choose_nonspeculative(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
   """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  _, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
-  return select(cfg, probs, lengths)
+  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False, ring=ring)
+  return select(method, probs, lengths)
 
 
-def predecode(cfg: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
-  """T1 over the low-bit copy (+ the 16-bit ring and its own row); picks κ_1; stores nothing."""
+def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  """T1 over the low-bit copy (+ the 16-bit ring and its own row); picks κ_1 and fetches it; stores nothing."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  out, probs = mixed_attention(cfg, st, q, kn, vn, lengths, use_kappa=False)
-  kappa = select(cfg, probs, lengths)                                       # stored positions 0..L-1
-  st = fetch_simulated(st, kappa) if not cfg.offload else st.replace(kappa=kappa)
-  return out, st, {}
+  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
+  return out, _fetch(method, st, select(method, probs, lengths)), {}              # stored positions 0..L-1
 
 
-def device_bytes(cfg, st: State) -> int:
+def device_bytes(method, st: State) -> int:
   """Everything but the 16-bit cache (which belongs to host memory)."""
   return tree_nbytes(st) - st.k16.nbytes - st.v16.nbytes
 
 
-def host_bytes(cfg, st: State) -> int:
+def host_bytes(method, st: State) -> int:
   return int(st.k16.nbytes + st.v16.nbytes)

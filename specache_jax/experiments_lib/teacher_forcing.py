@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from specache_jax import decode
 from specache_jax.caches.base import CacheConfig
+from specache_jax.model import decoder
 from specache_jax.model.config import ModelConfig
-from specache_jax.model.decoder import forward
 
 
 def _nll(logits_BV, target_B):
@@ -30,8 +30,8 @@ def _nll(logits_BV, target_B):
 
 
 def max_len_for(total_tokens: int) -> int:
-  """Cache slots for `total_tokens` (+ room for a speculative row), rounded as `decode` rounds them."""
-  return -(-(total_tokens + 2) // decode.SLOT_ROUNDING) * decode.SLOT_ROUNDING
+  """Cache slots for `total_tokens` (+ room for a speculative row), as `decode` rounds them."""
+  return decode.slots_for(total_tokens)
 
 
 SPEC_ROWS = ("model", "text")
@@ -49,35 +49,30 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
     raise ValueError(f"{spec_row=} must be one of {SPEC_ROWS}")
   if not 1 <= prefix < t:
     raise ValueError(f"{prefix=} must be in [1, {t}) for {t} tokens")
-  dtype = params["embed"].dtype
-  cache = decode.init_cache(method, cfg, b, max_len_for(t), dtype)
-  lengths = jnp.full((b,), prefix, jnp.int32)
-  logits, cache, _ = forward(params, cfg, tokens_BT[:, :prefix], cache, method, "prefill",
-                             prompt_lengths=lengths, logits_at=lengths - 1)
-  first = _nll(logits[:, 0], tokens_BT[:, prefix])
-  two_rows = method.decode_width == 2
-  if method.uses_predecode:
-    logits_p, cache, _ = forward(params, cfg, tokens_BT[:, prefix:prefix + 1], cache, method, "predecode")
-    guess = jnp.argmax(logits_p[:, 0], axis=-1).astype(jnp.int32)
-  else:
-    guess = jnp.zeros((b,), jnp.int32)
+  cache = decode.init_cache(method, cfg, b, max_len_for(t), params["embed"].dtype)
+  logits, cache = decode.prefill(params, cfg, method, tokens_BT[:, :prefix], jnp.full((b,), prefix, jnp.int32),
+                                 cache)
+  first = _nll(logits, tokens_BT[:, prefix])
+  inp, cache, _ = decode.start(params, cfg, method, tokens_BT[:, prefix], cache)
+  cache = decoder.per_layer(cache, cfg.n_layers)                  # decoding steps update each layer in place
+  layer_params = decoder.unstack_params(params, cfg.n_layers)
+  every_row = jnp.ones((b,), bool)
 
   def step(carry, xs):
-    cache, guess = carry
+    cache, inp = carry
     tok_B, target_B = xs
-    if spec_row == "text":
-      guess = target_B
-    inp = jnp.stack([tok_B, guess], axis=1) if two_rows else tok_B[:, None]
-    logits, cache, _ = forward(params, cfg, inp, cache, method, "decode")
+    inp = inp.at[:, 0].set(tok_B)                                 # the real row is always the true token
+    if spec_row == "text" and method.decode_width == 2:
+      inp = inp.at[:, 1].set(target_B)
+    logits, cache, _ = decoder.forward(layer_params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
-    hit = (guess == target_B).astype(jnp.int32)
-    if two_rows:                              # as decode.generate_jit: tell the method when its guess missed
-      cache = decode.observe_speculation(method, cache, guess != target_B)
-    guess = jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32) if two_rows else guess
-    return (cache, guess), (nll, hit)
+    _, _, missed = decode.speculation(method, inp, target_B, every_row)
+    if method.decode_width == 2:             # as the decode loop: tell the method when its guess missed
+      cache = decode.observe_speculation(method, cache, missed)
+    hit = (~missed).astype(jnp.int32) if method.decode_width == 2 else jnp.zeros((b,), jnp.int32)
+    return (cache, decode.next_input(method, target_B, logits)), (nll, hit)
 
   xs = (jnp.swapaxes(tokens_BT[:, prefix:t - 1], 0, 1), jnp.swapaxes(tokens_BT[:, prefix + 1:], 0, 1))
-  (_, _), (nll_TB, hit_TB) = jax.lax.scan(step, (cache, guess), xs)
+  _, (nll_TB, hit_TB) = jax.lax.scan(step, (cache, inp), xs)
   nll = jnp.concatenate([first[:, None], jnp.swapaxes(nll_TB, 0, 1)], axis=1)
-  hits = jnp.sum(hit_TB, axis=0) if two_rows else jnp.zeros((b,), jnp.int32)
-  return nll, hits
+  return nll, jnp.sum(hit_TB, axis=0)

@@ -100,14 +100,56 @@ def lm_head(params, cfg: ModelConfig, x_BTD):
   return jnp.einsum("btd,dv->btv", h, params["lm_head"]).astype(jnp.float32)
 
 
+def is_per_layer(layers) -> bool:
+  """A per-layer layout (a tuple/list with one entry per layer) rather than one tree with leaves [L, ...]."""
+  return isinstance(layers, (tuple, list))
+
+
+def unstack_layers(layers, n_layers: int) -> tuple:
+  """Leaves [L, ...] -> a tuple of L per-layer trees (a per-layer layout passes through unchanged)."""
+  if is_per_layer(layers):
+    return tuple(layers)
+  return tuple(jax.tree.map(lambda a, l=l: a[l], layers) for l in range(n_layers))
+
+
+def stack_layer_trees(layers):
+  """A tuple of per-layer trees -> one tree with leaves [L, ...] (a stacked tree passes through unchanged)."""
+  if not is_per_layer(layers):
+    return layers
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_params(params, n_layers: int) -> dict:
+  """Params whose "layers" is a tuple of per-layer dicts: what a decode step reads without slicing copies."""
+  return dict(params, layers=unstack_layers(params["layers"], n_layers))
+
+
+def per_layer(cache: Cache, n_layers: int) -> Cache:
+  """The cache with one state per layer (the layout decode steps update in place)."""
+  return cache.replace(layers=unstack_layers(cache.layers, n_layers))
+
+
+def stacked(cache: Cache) -> Cache:
+  """The cache with leaves [L, ...] (the layout a prefill scan writes and tests inspect)."""
+  return cache.replace(layers=stack_layer_trees(cache.layers))
+
+
 def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: CacheConfig | None,
             phase: str = "decode", prompt_lengths=None, logits_at=None):
-  """The whole model over the stacked layers.
+  """The whole model over the layers.
 
   tokens [B, T] int32. prefill: `prompt_lengths` [B] (valid tokens per right-padded row; default T), the cache
   (if any) must be empty. decode/predecode: new rows follow `cache.lengths`.
   logits_at: None for logits at every row, or [B] row indices -> logits [B, 1, V] (saves the [B,T,V] head on
   long prompts). Returns (logits float32, cache, aux with leaves [L, ...]).
+
+  Two layer loops, picked by the cache's layout (the same per-layer function in both):
+    stacked cache (leaves [L, ...]) or no cache: a `lax.scan` over the layers — one compiled layer, compile
+      time flat in depth, but every layer's weights and state are sliced out and the new state stacked back
+      (copies). Right for a prefill, which is compute-bound and runs once.
+    per-layer cache (a tuple, `per_layer`): a Python loop over the layers — each layer's state is its own
+      buffer, updated in place when the caller donates it or carries it in a loop; with per-layer params
+      (`unstack_params`) no weight is copied either. Right for decoding steps, which are bandwidth-bound.
   """
   b, t = tokens_BT.shape
   if phase == "prefill":
@@ -117,13 +159,23 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
     lengths = cache.lengths
   x = embed(params, tokens_BT)
 
-  def body(x, layer):
-    lp, st = layer
-    x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
-    return x, (st, aux)
+  if cache is not None and is_per_layer(cache.layers):
+    lps = unstack_layers(params["layers"], cfg.n_layers)
+    new_states, auxes = [], []
+    for lp, st in zip(lps, cache.layers):
+      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
+      new_states.append(st)
+      auxes.append(aux)
+    new_states = tuple(new_states)
+    aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes) if auxes and auxes[0] else {}
+  else:
+    def body(x, layer):
+      lp, st = layer
+      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
+      return x, (st, aux)
 
-  layer_states = None if cache is None else cache.layers
-  x, (new_states, aux) = jax.lax.scan(body, x, (params["layers"], layer_states))
+    layer_states = None if cache is None else cache.layers
+    x, (new_states, aux) = jax.lax.scan(body, x, (stack_layer_trees(params["layers"]), layer_states))
   if logits_at is not None:
     x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
   logits = lm_head(params, cfg, x)

@@ -1,0 +1,69 @@
+"""Decoding steps update the cache in place: read from the compiled programs, not from timings.
+
+A step over the per-layer cache layout (what `generate_jit`'s loop, teacher forcing and the benchmarks run)
+must alias every cache buffer to its output and keep no second copy of the cache as scratch; the stacked layout
+through a layer scan (the prefill path) does copy, which is what shows the check can fail.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import specache_jax as sj
+from specache_jax.arrays import tree_nbytes
+from specache_jax.bench import throughput
+from specache_jax.model import decoder
+from tests.tiny import random_prompts, tiny_model
+
+METHODS = {
+    "full": dict(),
+    "kivi": dict(bits=2, group_size=16, residual=32),
+    "specache": dict(bits=1, group_size=16, residual=32, topk=16),
+    "streaming": dict(budget=256, sink=4),
+    "h2o": dict(budget=256, recent=64),
+}
+SLOTS = 2048
+
+
+def _prefilled(name):
+  model = tiny_model(seed=3, head_dim=16, n_layers=3)
+  method = sj.cache_config(name, **METHODS[name])
+  toks, lens = sj.pad_prompts(random_prompts(1, [200, 170], model.config.vocab_size))
+  inp, cache = throughput.prefill_jit(model.params, jnp.asarray(toks), jnp.asarray(lens), cfg=model.config,
+                                      method=method, max_len=SLOTS)
+  return model, method, inp, cache
+
+
+def _aliased_params(compiled_text: str) -> set[int]:
+  """Parameter numbers the compiled module aliases to an output (`input_output_alias={ {i}: (p, ...) }`)."""
+  header = next(line for line in compiled_text.splitlines() if line.startswith("HloModule"))
+  if "input_output_alias=" not in header:
+    return set()
+  return {int(p) for p in re.findall(r"\}: \((\d+), \{", header.split("input_output_alias=", 1)[1])}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_decode_step_aliases_every_cache_buffer_and_keeps_no_copy(name):
+  model, method, inp, cache = _prefilled(name)
+  assert decoder.is_per_layer(cache.layers)
+  layer_params = throughput.unstack_params_jit(model.params, model.config.n_layers)
+  lowered = throughput.decode_step_jit.lower(layer_params, inp, cache, cfg=model.config, method=method)
+  compiled = lowered.compile()
+  n_param_leaves = len(jax.tree.leaves(layer_params)) + 1                 # + the input tokens
+  cache_params = set(range(n_param_leaves, n_param_leaves + len(jax.tree.leaves(cache))))
+  aliased = _aliased_params(compiled.as_text())
+  assert cache_params <= aliased, f"cache parameters not aliased to outputs: {sorted(cache_params - aliased)}"
+  big = tree_nbytes(cache.layers)
+  scratch = compiled.memory_analysis().temp_size_in_bytes
+  assert scratch < big / 4, f"{scratch=} bytes of scratch for a {big}-byte cache: a copy of the cache"
+
+
+def test_the_check_sees_the_copies_of_a_layer_scan():
+  """The same step over the stacked layout (a `lax.scan`: xs -> ys) needs a second cache as scratch."""
+  model, method, inp, cache = _prefilled("full")
+  stacked = decoder.stacked(cache)
+  step = jax.jit(lambda p, i, c: decoder.forward(p, model.config, i, c, method, "decode")[1], donate_argnums=2)
+  scratch = step.lower(model.params, inp, stacked).compile().memory_analysis().temp_size_in_bytes
+  assert scratch >= tree_nbytes(stacked.layers)
+
