@@ -32,7 +32,7 @@ class Stepper:
     self.inp, self.cache = states.first_decode_input(params, first_B, cache, cfg=cfg, method=method)
     timing.block(self.cache)
     self.record = {"method": exp_methods.describe(method), "slots": max_len,
-                   "device_bytes": int(method.impl.device_bytes(method, self.cache.layers)),
+                   "device_bytes": method.device_bytes(self.cache.layers),
                    "resident_bytes": tree_nbytes(self.cache.layers), "build_s": time.perf_counter() - t0}
 
   def step(self):

@@ -35,7 +35,7 @@ def device_bytes_at(method: CacheConfig, model_cfg: ModelConfig, max_len: int, d
   """The method's accelerator bytes for `batch` rows of `max_len` tokens, from eval_shape (no allocation)."""
   shapes = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
   sized = jax.tree.map(lambda s: _Sized(tuple(s.shape), np.dtype(s.dtype)), shapes)
-  return int(method.impl.device_bytes(method, sized))
+  return method.device_bytes(sized)
 
 
 def _smallest_budget(method_name: str, settings: dict) -> int:
