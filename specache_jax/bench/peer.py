@@ -14,12 +14,14 @@ SpeCache), the peer's: the fp cache (DynamicCache) or the quanto codes + one sca
 floor of a step is those bytes at the machine's measured read bandwidth (`machine.py`); a prefill's floor is
 its FLOPs (matmuls + causal attention + the last position's LM head) at the measured fp32 GEMM rate.
 
-`scaling` times our decode step from 1k to 32k on random weights of the model's shape, the cache state built
-directly from random K/V by each method's own prefill (`states.build_cache`; timing only).
+`scaling` times our decode step (the jitted runner's: per-layer cache donated, per-layer weights) from 1k to
+32k on random weights of the model's shape, the cache state built directly from random K/V by each method's
+own prefill (`states.build_cache`; timing only).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata as md
 import os
 import statistics
@@ -30,14 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax import api
+from specache_jax import api, decode
 from specache_jax.bench import machine, states, timing
 from specache_jax.bench import models as bench_models
-from specache_jax.bench import caches as bench_caches
+from specache_jax.bench.common import random_prompts
 from specache_jax.bench.throughput import make_runner
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.experiments_lib import models as exp_models
+from specache_jax.model import decoder
 from specache_jax.model.config import ConfigError
 
 PEER_CACHES = ("dynamic", "quanto")
@@ -291,7 +294,7 @@ def _ratios(cell: dict, reference: str) -> None:
 def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> dict:
   cfg, dtype = model.config, model.params["embed"].dtype
   prompt_len = context - config.margin
-  tokens, lengths = bench_caches.random_prompts(config.seed + context, batch, prompt_len, cfg.vocab_size)
+  tokens, lengths = random_prompts(config.seed + context, batch, prompt_len, cfg.vocab_size)
   slots = states.cell_slots(prompt_len, config.warmup + config.rounds * config.steps + 1)
   cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "slots": slots, "methods": {}}
   runners, wbytes, item = {}, weight_bytes_per_step(cfg, model.params), jnp.dtype(dtype).itemsize
@@ -330,7 +333,7 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
 # ------------------------------------------------------------------------------------------------- the parity
 def greedy_parity(model, hf, seed: int, batch: int, prompt_len: int, new_tokens: int) -> dict:
   """The same greedy tokens from ours (`sj.generate`, full cache) and the peer (HFRunner, DynamicCache)?"""
-  tokens, lengths = bench_caches.random_prompts(seed, batch, prompt_len, model.config.vocab_size)
+  tokens, lengths = random_prompts(seed, batch, prompt_len, model.config.vocab_size)
   ours = np.asarray(api.generate(model, tokens, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=()).tokens)
   peer = HFRunner(hf, {"cache": "dynamic"}, tokens, lengths)
   peer.prefill()
@@ -352,13 +355,28 @@ def random_captured(cfg, batch: int, length: int, seed: int, dtype) -> states.Ca
                          colsum=jnp.zeros((cfg.n_layers, batch, cfg.n_kv_heads, length), jnp.float32))
 
 
-def _chain(stepper, n: int) -> float:
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(n):
-    out = stepper.step()
-  timing.block(out)
-  return (time.perf_counter() - t0) / n
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnums=(2,))
+def _decode_step(layer_params, inp_BW, cache, *, cfg, method):
+  """One greedy step on a per-layer cache, updated in place (donated): the jitted runner's decode step."""
+  logits, cache, _ = decoder.forward(layer_params, cfg, inp_BW, cache, method, "decode")
+  return decode.next_input(method, decode.guess(logits[:, 0]), logits), cache
+
+
+class StateStepper:
+  """Greedy decode steps from a cache state built directly (`states.build_cache` on a capture, then the
+  pre-decoding pass), no prompt run. `chain(n)` -> seconds per step over n back-to-back steps."""
+
+  def __init__(self, params, layer_params, cfg, method, captured, first_B, lengths_B, slots: int):
+    self.layer_params, self.cfg, self.method = layer_params, cfg, method
+    cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=slots)
+    self.carry = timing.block(states.first_decode_input(params, first_B, cache, cfg=cfg, method=method))
+
+  def _step(self, carry):
+    return _decode_step(self.layer_params, carry[0], carry[1], cfg=self.cfg, method=self.method)
+
+  def chain(self, n: int) -> float:
+    sec, self.carry = timing.time_chain(self._step, self.carry, 0, n)
+    return sec
 
 
 def scaling(config, limits: dict, deadline: float, log) -> dict:
@@ -370,6 +388,7 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
   labels = _labels(sc.run_methods)
   dt = model.params["embed"].dtype
   wbytes = weight_bytes_per_step(cfg, model.params)
+  layer_params = decoder.unstack_params(model.params, cfg.n_layers)
   points = []
   for context in (int(c) for c in sc.contexts):
     point = {"context": context, "batch": sc.batch, "methods": {}}
@@ -386,11 +405,10 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
     for label in labels:
       try:
         method = exp_methods.build(config, label, cfg, slots, dt)
-        steppers[label] = bench_caches.Stepper(model.params, cfg, method, captured, first, lens, slots)
-        rec = point["methods"][label] = {"method": exp_methods.describe(method),
-                                         "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch)}
-        for _ in range(max(sc.warmup, 1)):
-          timing.block(steppers[label].step())
+        steppers[label] = StateStepper(model.params, layer_params, cfg, method, captured, first, lens, slots)
+        point["methods"][label] = {"method": exp_methods.describe(method),
+                                   "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch)}
+        steppers[label].chain(max(sc.warmup, 1))
       except Exception as e:  # memory at long contexts: recorded, the others go on
         steppers.pop(label, None)
         point["methods"][label] = {"skipped": _error_reason(e)}
@@ -398,7 +416,7 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
     samples = {label: [] for label in steppers}
     for i in range(sc.rounds):
       for label in _rotated(list(steppers), i) if steppers else []:
-        samples[label].append(_chain(steppers[label], sc.steps))
+        samples[label].append(steppers[label].chain(sc.steps))
     del steppers
     for label, xs in samples.items():
       rec = point["methods"][label]
