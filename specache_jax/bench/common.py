@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax import decode
 from specache_jax.model import decoder as dec
 from specache_jax.runtime import OffloadRuntime
 
@@ -37,17 +38,16 @@ class RuntimeDriver:
     self.rt = OffloadRuntime(model.params, model.config, method, batch, max_len, prompt_len=prompt_len)
 
   def prefill(self, tokens_BT, lengths_B):
-    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches)."""
+    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches), as `decode.start` does."""
     lengths = jnp.asarray(lengths_B, jnp.int32)
-    logits = self.rt.prefill(jnp.asarray(tokens_BT), lengths)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not self.method.speculative:
-      return first[:, None], lengths, None
+    first = decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths))
+    if not self.method.uses_predecode:
+      return decode.first_input(self.method, first), lengths, None
     x, pending = self.rt.predecode(first, lengths)
-    spec = greedy_rows(self.params, x, cfg=self.cfg)                        # [B, 1]
-    return jnp.concatenate([first[:, None], spec], axis=1), lengths, pending
+    return decode.first_input(self.method, first, greedy_rows(self.params, x, cfg=self.cfg)[:, 0]), lengths, pending
 
   def step(self, carry):
+    """One greedy step: the next input is every row's argmax (= `decode.next_input` with greedy sampling)."""
     inp, lengths, pending = carry
     x, pending = self.rt.step(inp, lengths, pending)
     return greedy_rows(self.params, x, cfg=self.cfg), lengths + 1, pending

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from specache_jax import decode
 from specache_jax.arrays import tree_nbytes
 from specache_jax.bench import overlap, states, timing
-from specache_jax.bench.common import RuntimeDriver, error_reason as _error_reason, random_prompts
+from specache_jax.bench.common import RuntimeDriver, error_reason, random_prompts
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model import decoder as dec
 
@@ -156,15 +156,6 @@ def time_cell(runners: dict, warmup: int, steps: int, rounds: int, batch: int, m
   return out
 
 
-def _add_ratios(cell: dict, reference: str) -> None:
-  ref = cell["methods"].get(reference, {})
-  for rec in cell["methods"].values():
-    if "step_s" not in rec:
-      continue
-    for key in ("tokens_per_s", "step_s", "prefill_s", "device_bytes"):
-      rec[key + "_ratio"] = timing.ratio(rec[key], ref.get(key))
-
-
 def run(config, model, log: Callable[[str], None] = print) -> dict:
   """The sweep (+ the overlap measurement) -> a JSON-ready dict {meta, cells, overlap}."""
   t_start = time.perf_counter()
@@ -194,18 +185,19 @@ def run(config, model, log: Callable[[str], None] = print) -> dict:
           method = exp_methods.build(config, label, model.config, slots, dtype)
           runners[label] = make_runner(model, method, tokens, lengths, slots)
         except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal
-          cell["methods"][label] = {"skipped": _error_reason(e)}
+          cell["methods"][label] = {"skipped": error_reason(e)}
       try:
         cell["methods"].update(time_cell(runners, config.warmup, config.steps, config.rounds, int(batch), model))
       except Exception as e:
-        cell["methods"].update({label: {"skipped": f"while timing: {_error_reason(e)}"} for label in runners})
+        cell["methods"].update({label: {"skipped": f"while timing: {error_reason(e)}"} for label in runners})
       del runners
       cell["methods"] = {label: cell["methods"][label] for label in labels}
       for label, rec in cell["methods"].items():
         log(f"S={context} B={batch} {label}: " + (
             f"prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step, "
             f"{rec['tokens_per_s']:.1f} tok/s" if "step_s" in rec else rec["skipped"]))
-      _add_ratios(cell, config.reference)
+      timing.add_ratios(cell, config.reference, ("tokens_per_s", "step_s", "prefill_s", "device_bytes"),
+                        measured="step_s")
   result = {"meta": meta, "cells": cells}
   if config.overlap.enabled:
     if time.perf_counter() > deadline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,33 +32,43 @@ def segment_logits(q_BTKGH, keys_BKSH, mask_BKTS, sm_scale: float):
   return jnp.where(mask, logits, MASKED)
 
 
-def segmented_attention(q_BTNH, segments: Sequence[tuple], sm_scale: float, n_kv: int,
-                        logits_override: Sequence | None = None):
+class Computed(NamedTuple):
+  """A column segment that computes its own logits and value sum (e.g. from packed low-bit codes).
+
+  logits: (q [B,T,K,G,H]) -> float32 [B,K,G,T,S] unscaled q·k;  weighted_values: (p [B,K,G,T,S] float32) ->
+  float32 [B,T,K,G,H] = Σ_s p_s v_s;  mask: [B,K|1,T,S] bool."""
+  logits: Callable
+  weighted_values: Callable
+  mask: jax.Array
+
+
+def segmented_attention(q_BTNH, segments: Sequence, sm_scale: float, n_kv: int):
   """One softmax over several column segments.
 
-  segments: [(keys [B,K,S_i,H], values [B,K,S_i,H], mask [B,K|1,T,S_i] bool), ...]
-  logits_override: optional per-segment precomputed logits [B,K,G,T,S_i] (e.g. from a packed-key kernel),
-    None entries are computed from the keys.
+  segments: each (keys [B,K,S_i,H], values [B,K,S_i,H], mask [B,K|1,T,S_i] bool) or a `Computed` segment.
   Returns out [B,T,N,H] (q.dtype) and probs per segment [B,K,G,T,S_i] float32.
   """
   q = split_heads(q_BTNH, n_kv)
   logits = []
-  for i, (keys, _, mask) in enumerate(segments):
-    pre = None if logits_override is None else logits_override[i]
-    if pre is None:
-      logits.append(segment_logits(q, keys, mask, sm_scale))
+  for seg in segments:
+    if isinstance(seg, Computed):
+      pre = seg.logits(q) * sm_scale
+      logits.append(jnp.where(jnp.broadcast_to(seg.mask[:, :, None], pre.shape), pre, MASKED))
     else:
-      full_mask = jnp.broadcast_to(mask[:, :, None], pre.shape)
-      logits.append(jnp.where(full_mask, pre, MASKED))
+      keys, _, mask = seg
+      logits.append(segment_logits(q, keys, mask, sm_scale))
   sizes = [l.shape[-1] for l in logits]
   all_logits = jnp.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
   probs_all = jax.nn.softmax(all_logits, axis=-1)                         # [B, K, G, T, sum S_i]
   probs, out, start = [], 0.0, 0
-  for (_, values, _), size in zip(segments, sizes):
+  for seg, size in zip(segments, sizes):
     p = probs_all[..., start:start + size]
     start += size
     probs.append(p)
-    out = out + jnp.einsum("bkgts,bksh->btkgh", p, values.astype(jnp.float32))
+    if isinstance(seg, Computed):
+      out = out + seg.weighted_values(p)
+    else:
+      out = out + jnp.einsum("bkgts,bksh->btkgh", p, seg[1].astype(jnp.float32))
   b, t, n, h = q_BTNH.shape
   return out.reshape(b, t, n, h).astype(q_BTNH.dtype), probs
 

@@ -3,7 +3,7 @@ per-row lengths wrapper.
 
 A method lives in one file (`full.py`, `kivi.py`, `specache.py`, `streaming.py`, `h2o.py`): a frozen config
 dataclass subclassing `CacheConfig`, and a module of pure functions (`MethodModule`) reached through
-`cfg.impl`, never by comparing names. Hooks only some methods have (SpeCache's speculation record, host
+`method.impl`, never by comparing names. Hooks only some methods have (SpeCache's speculation record, host
 bytes, pre-decoding) are declared here with their neutral default and overridden by the method's config, so
 callers never probe with getattr/hasattr.
 """
@@ -23,16 +23,16 @@ from specache_jax.model.config import ModelConfig
 class MethodModule(Protocol):
   """The functions every method module provides (states are per layer unless said; `init` stacks [L, ...])."""
 
-  def init(self, cfg: "CacheConfig", model_cfg: ModelConfig, batch: int, max_len: int, dtype) -> Any:
+  def init(self, method: "CacheConfig", model_cfg: ModelConfig, batch: int, max_len: int, dtype) -> Any:
     """The empty state, leaves [L, ...]."""
 
-  def prefill(self, cfg: "CacheConfig", st, k, v, lengths, colsum=None) -> Any:
+  def prefill(self, method: "CacheConfig", st, k, v, lengths, colsum=None) -> Any:
     """Store a right-padded prompt: k, v [B,T,K,H] after RoPE, lengths [B], colsum [B,K,T] | None (H2O)."""
 
-  def attend(self, cfg: "CacheConfig", st, q, k_new, v_new, lengths) -> tuple:
+  def attend(self, method: "CacheConfig", st, q, k_new, v_new, lengths) -> tuple:
     """New rows q [B,T,N,H], k_new/v_new [B,T,K,H] after `lengths` stored tokens -> (out [B,T,N,H], st, aux)."""
 
-  def device_bytes(self, cfg: "CacheConfig", st) -> int:
+  def device_bytes(self, method: "CacheConfig", st) -> int:
     """Bytes the state keeps in accelerator memory."""
 
 
@@ -42,7 +42,7 @@ class CacheConfig:
   # Query rows per decoding step (SpeCache: 2 = real + speculative) and rows stored of them.
   decode_width: ClassVar[int] = 1
   needs_attention_colsum: ClassVar[bool] = False
-  uses_predecode: ClassVar[bool] = False      # the module has predecode(cfg, st, q, k, v, lengths)
+  uses_predecode: ClassVar[bool] = False      # the module has predecode(method, st, q, k, v, lengths)
   offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it)
 
   @property
@@ -90,8 +90,8 @@ class Cache:
   lengths: jax.Array          # [B] int32 tokens stored per row
 
 
-def settings_of(cfg) -> dict[str, Any]:
-  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+def settings_of(method) -> dict[str, Any]:
+  return {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
 
 
 def check_int(name: str, value, minimum: int = 0) -> None:

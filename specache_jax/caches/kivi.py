@@ -71,22 +71,29 @@ def prefill(method: KiviConfig, st: State, k, v, lengths, colsum=None) -> State:
 
 
 def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
+  """The new rows over the low-bit copy, the 16-bit ring and each other (causal); all T rows are stored.
+
+  The rows are stored first (the big code buffers are then written in place: this step reads positions below
+  the old quantization boundaries, which the new rows' codes never touch) and attention reads the ring as it
+  was before them."""
   b, t, _, _ = q.shape
   n_kv = k_new.shape[2]
-  keys, values = lowbit.dequantized(st.low, bits=method.bits, group_size=method.group_size)
-  s = keys.shape[2]
-  _, val_qlen = lowbit.boundaries(lengths, method.residual)
-  ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=method.bits, group_size=method.group_size,
-                                                 residual=method.residual)
-  ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
-  ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, method.residual))
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  out, _ = A.segmented_attention(
-      q, [(keys, values, A.valid_cols_mask(val_qlen, s, t)), (ring_k, ring_v, ring_mask),
-          (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
+  old_ring = (st.low.ring_k, st.low.ring_v)
   low = st.low
   for i in range(t):
     low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **method.qargs)
+  view = low.replace(ring_k=old_ring[0], ring_v=old_ring[1])
+  s = low.k_codes.shape[2]
+  _, val_qlen = lowbit.boundaries(lengths, method.residual)
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(view, lengths, bits=method.bits, group_size=method.group_size,
+                                                 residual=method.residual)
+  ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
+  ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, method.residual))
+  out, _ = A.segmented_attention(
+      q, [lowbit.packed_segment(low, A.valid_cols_mask(val_qlen, s, t), bits=method.bits,
+                                group_size=method.group_size), (ring_k, ring_v, ring_mask),
+          (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
   return out, State(low=low), {}
 
 

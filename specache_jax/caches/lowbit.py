@@ -15,6 +15,7 @@ from flax import struct
 
 from specache_jax import quant
 from specache_jax.caches import attention as A
+from specache_jax.caches import packed
 
 
 @struct.dataclass
@@ -115,6 +116,17 @@ def append(st: LowBit, k_BKH, v_BKH, lengths_B, *, bits, group_size, residual, o
       v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, ring_k=ring_k, ring_v=ring_v)
 
 
+def packed_segment(st: LowBit, mask, *, bits, group_size) -> A.Computed:
+  """The low-bit copy as an attention segment that reads the packed codes (caches/packed.py): scales folded
+  into the query per key group and into the probabilities per value group; no dequantized [B,K,S,H] cache."""
+  return A.Computed(
+      logits=lambda q_BTKGH: packed.key_logits(q_BTKGH, st.k_codes, st.k_scale, st.k_zero, bits=bits,
+                                               group_size=group_size),
+      weighted_values=lambda p_BKGTS: packed.value_sum(p_BKGTS, st.v_codes, st.v_scale, st.v_zero, bits=bits,
+                                                       group_size=group_size),
+      mask=mask)
+
+
 def dequantized(st: LowBit, *, bits, group_size, dtype=jnp.float32):
   """The whole low-bit copy dequantized: (keys [B,K,S,H], values [B,K,S,H]) — the jnp reference path."""
   keys = quant.dequantize_keys(quant.QuantizedKeys(st.k_codes, st.k_scale, st.k_zero), bits, group_size, dtype)
@@ -146,7 +158,3 @@ def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp
   use_16 = (pos >= key_qlen[:, None, None])[..., None]
   keys = jnp.where(use_16, st.ring_k.astype(dtype), low_keys)
   return keys, st.ring_v, pos
-
-
-def nbytes(st: LowBit) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(st)))

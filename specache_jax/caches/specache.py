@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import ATTENTION_IMPLS
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention
 from specache_jax import quant
 from specache_jax.arrays import tree_nbytes
@@ -30,7 +31,6 @@ from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
 from specache_jax.errors import ConfigError
 
-ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
 
 
@@ -202,14 +202,14 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   new_mask = A.causal_new_mask(b, t)
   sm_scale = h ** -0.5
   if method.attention_impl == "jnp":
-    keys, values = lowbit.dequantized(st.low, bits=method.bits, group_size=method.group_size)
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
     excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
     low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
     low_mask = jnp.broadcast_to(low_ok[:, :, None, :], (b, n_kv, t, s))
+    low = lowbit.packed_segment(st.low, low_mask, bits=method.bits, group_size=method.group_size)
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
-        q, [(keys, values, low_mask), (ring_k, ring_v, ring_mask),
-            (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
+        q, [low, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
+        sm_scale, n_kv)
     last = lambda p: jnp.mean(p[:, :, :, -1, :], axis=2)                  # [B, K, cols]
     probs_low, probs_extra = last(p_low), jnp.concatenate([last(p_ring), last(p_kap), last(p_new)], -1)
   else:
@@ -327,8 +327,8 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
 
 def device_bytes(method, st: State) -> int:
   """Everything but the 16-bit cache (which belongs to host memory)."""
-  return tree_nbytes(st) - st.k16.nbytes - st.v16.nbytes
+  return tree_nbytes(st) - tree_nbytes((st.k16, st.v16))
 
 
 def host_bytes(method, st: State) -> int:
-  return int(st.k16.nbytes + st.v16.nbytes)
+  return tree_nbytes((st.k16, st.v16))
