@@ -4,8 +4,6 @@ our step time vs context).
   python -m experiments.peer_bench --config=configs/peer_bench.py      # see the config for variants
 """
 import os
-import shlex
-import sys
 
 from absl import app, logging
 from ml_collections import config_flags
@@ -22,9 +20,15 @@ def main(argv):
     raise app.UsageError("experiments.peer_bench runs on one device; drop --mesh")
   config = _CONFIG.value
   logging.info("config:\n%s", config)
+  command = launch.command_line("peer_bench")
+
+  def save_partial(result):       # a run stopped midway still leaves its finished cells in <out>.json
+    result["meta"]["command"] = command
+    atomic_write_text(config.out + ".json", report.dumps(result))
+
   with launch.bad_input_as_usage():
-    result = peer.run(config, log=logging.info)
-  result["meta"]["command"] = shlex.join(["python", "-m", "experiments.peer_bench"] + sys.argv[1:])
+    result = peer.run(config, log=logging.info, progress=save_partial)
+  result["meta"]["command"] = command
   plot_name = ""
   if config.plot and result.get("scaling"):
     os.makedirs(os.path.dirname(config.plot) or ".", exist_ok=True)

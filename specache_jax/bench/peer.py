@@ -266,9 +266,13 @@ def time_cell(runners: dict, prefill_rounds: int, warmup: int, steps: int, round
       sec = attempt(label, runners[label].prefill)
       if sec is not None:
         pre[label].append(sec)
+        log(f"{label}: prefill {sec:.2f} s")
   for label in list(labels):
     if warmup:
+      t0 = time.perf_counter()
       attempt(label, lambda: runners[label].chain(warmup))
+      runners[label].record["warmup_s"] = time.perf_counter() - t0      # the first decode steps compile
+      log(f"{label}: {warmup} warm-up steps (incl. compiling) {runners[label].record['warmup_s']:.1f} s")
   for i in range(rounds):
     for label in _rotated(labels, i) if labels else []:
       sec = attempt(label, lambda: runners[label].chain(steps))
@@ -461,8 +465,10 @@ def load_model(name: str, dtype: str, seed: int):
   return exp_models.load(name, dtype)
 
 
-def run(config, log: Callable[[str], None] = print) -> dict:
-  """Everything: machine limits, greedy parity, the interleaved table, the scaling curve -> a JSON-ready dict."""
+def run(config, log: Callable[[str], None] = print, progress: Callable[[dict], None] | None = None) -> dict:
+  """Everything: machine limits, greedy parity, the interleaved table, the scaling curve -> a JSON-ready dict.
+  `progress(result)` is called after each finished cell (e.g. to save a partial result)."""
+  progress = progress or (lambda r: None)
   t_start = time.perf_counter()
   deadline = t_start + float(config.max_seconds)
   threads = set_threads(config.threads)
@@ -475,6 +481,7 @@ def run(config, log: Callable[[str], None] = print) -> dict:
   meta = {"benchmark": "peer", "model": config.model, "model_source": str(getattr(model, "source", "")),
           "dtype": str(model.params["embed"].dtype), "hf_weights": config.hf_weights, "hf_attn": config.hf_attn,
           "hf_device": config.hf_device, "versions": versions(), "machine_start": timing.machine_info(),
+          "thread_env": {k: os.environ.get(k, "") for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")},
           "limits": limits, "prefill_rounds": config.prefill_rounds, "warmup": config.warmup,
           "decode_steps": config.steps, "rounds": config.rounds, "reference": config.reference,
           "methods": {label: exp_methods.spec_of(config, label) for label in exp_methods.labels(config)},
@@ -489,6 +496,7 @@ def run(config, log: Callable[[str], None] = print) -> dict:
         cells.append({"context": context, "batch": batch, "skipped": "out of time (config.max_seconds)"})
         continue
       cells.append(run_cell(config, model, hf, limits, context, batch, log))
+      progress(result)
   del hf
   if config.scaling.enabled:
     result["scaling"] = scaling(config, limits, deadline, log)
