@@ -1,0 +1,470 @@
+"""Prefill on this CPU: blockwise causal attention vs the dense reference, alone and inside SmolLM2-135M (fp32).
+
+  python -m experiments.prefill_bench --out=results/prefill_cpu.json            # writes prefill_cpu.md too
+  python -m experiments.prefill_bench --out=/tmp/p.json --parts=check,attention --contexts=1024
+
+Parts (each timing interleaves its variants round by round and records wall and process-CPU seconds and the
+load average around it; the machine is shared, so CPU seconds say more than wall seconds when it is busy):
+  check      blockwise == dense reference (out and colsum) on a ragged random batch at SmolLM2's head shapes
+  blocks     attention alone at --block_context for each --block_sizes (block_q x block_k), + compile time
+  structure  the shipped loop structure vs static per-query-block strips (compile and run time)
+  attention  attention alone, old (dense) vs new (blockwise), at each context
+  model      whole-model prefill (logits of the last row only), old vs new, at each context;
+             the old model runs --old_model_rounds times at the contexts in --old_model_contexts
+  layer      one layer's parts at the largest context: q/k/v + RoPE, attention, o_proj, MLP
+  gemm       the machine's fp32 matmul rate through XLA, for the GFLOP/s figures
+  memory     compile only: the whole-model prefill's temporary buffers at --memory_contexts, old vs new
+"""
+import contextlib
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import specache_jax as sj
+from specache_jax.bench.timing import load_average, machine_info
+from specache_jax.caches import attention as A
+from specache_jax.model import decoder
+from specache_jax.model.layers import rms_norm, swiglu_mlp
+
+_OUT = flags.DEFINE_string("out", None, "where to write the JSON report (the .md goes next to it)", required=True)
+_PARTS = flags.DEFINE_list("parts", ["check", "blocks", "structure", "attention", "model", "layer", "gemm",
+                                     "memory"],
+                           "which parts to run")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "checkpoint name or path")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "8192"], "prompt lengths T")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "timed rounds per variant (median reported)")
+_BLOCK_CONTEXT = flags.DEFINE_integer("block_context", 8192, "T of the block-size sweep")
+_BLOCK_SIZES = flags.DEFINE_list("block_sizes", ["128x128", "256x256", "512x512", "1024x1024", "256x512",
+                                                 "512x256", "128x256", "256x128"], "block_q x block_k")
+_OLD_MODEL_CONTEXTS = flags.DEFINE_list("old_model_contexts", ["1024", "4096", "8192"],
+                                        "contexts at which the dense (old) whole model is timed")
+_OLD_MODEL_ROUNDS = flags.DEFINE_integer("old_model_rounds", 1, "timed rounds of the old whole model")
+_MEMORY_CONTEXTS = flags.DEFINE_list("memory_contexts", ["8192", "32768"], "contexts of the memory part")
+_WARMUP = flags.DEFINE_bool("warmup", True, "one untimed call per variant before the timed rounds")
+_APPEND = flags.DEFINE_bool("append", False, "merge into an existing --out report (per part and context) "
+                            "instead of starting a new one; every command is recorded")
+
+
+# ---------------------------------------------------------------- timing
+
+def _timed(fn, *args):
+  """(wall s, process CPU s, result) of one blocked call."""
+  w, c = time.perf_counter(), time.process_time()
+  result = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - w, time.process_time() - c, result
+
+
+def _compile(fn, *args):
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def _interleaved(variants: dict, args: tuple, rounds: dict | int, flops: float, last: dict | None = None) -> dict:
+  """variants: name -> compiled fn. One warm-up call each, then rounds in turn. Medians and GFLOP/s.
+  `last`, if given, receives each variant's last result."""
+  rounds = rounds if isinstance(rounds, dict) else {name: rounds for name in variants}
+  if _WARMUP.value:
+    for fn in variants.values():
+      jax.block_until_ready(fn(*args))
+  samples = {name: [] for name in variants}
+  load_before = load_average()
+  for r in range(max(rounds.values())):
+    for name, fn in variants.items():
+      if r < rounds[name]:
+        *sample, result = _timed(fn, *args)
+        samples[name].append(sample)
+        if last is not None:
+          last[name] = result
+        print(f"  {name}: wall {samples[name][-1][0]:.3f} s, CPU {samples[name][-1][1]:.3f} s, "
+              f"load {load_average()}", flush=True)
+  out = {}
+  for name, xs in samples.items():
+    wall, cpu = float(np.median([x[0] for x in xs])), float(np.median([x[1] for x in xs]))
+    out[name] = {"wall_s": wall, "cpu_s": cpu, "wall_samples_s": [round(x[0], 4) for x in xs],
+                 "cpu_samples_s": [round(x[1], 4) for x in xs], "gflops_per_s": flops / wall / 1e9,
+                 "gflops_per_cpu_s": flops / cpu / 1e9}
+  out["load_average_before_after"] = [load_before, load_average()]
+  return out
+
+
+@contextlib.contextmanager
+def _prefill_attention(impl):
+  """Trace the decoder with another prefill attention (the decoder looks it up when traced)."""
+  saved = A.prefill_attention
+  A.prefill_attention = impl
+  try:
+    yield
+  finally:
+    A.prefill_attention = saved
+
+
+# ---------------------------------------------------------------- shapes and FLOPs
+
+def _attention_inputs(cfg, t: int, batch: int = 1, seed: int = 0):
+  rs = np.random.RandomState(seed)
+  q = jnp.asarray(rs.randn(batch, t, cfg.n_heads, cfg.head_dim), jnp.float32)
+  k = jnp.asarray(rs.randn(batch, t, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+  v = jnp.asarray(rs.randn(batch, t, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+  return q, k, v
+
+
+def attention_flops(cfg, t: int) -> float:
+  """Causal attention of one layer: q.k and p.v over the t(t+1)/2 visible pairs, per query head."""
+  return 2 * 2 * t * (t + 1) / 2 * cfg.n_heads * cfg.head_dim
+
+
+def layer_weight_params(cfg) -> int:
+  d, h = cfg.dim, cfg.head_dim
+  return d * cfg.n_heads * h * 2 + d * cfg.n_kv_heads * h * 2 + 3 * d * cfg.ffn_dim
+
+
+def model_flops(cfg, t: int) -> dict:
+  """Prefill FLOPs with the LM head on the last row only (what the first token needs)."""
+  weights = 2 * layer_weight_params(cfg) * cfg.n_layers * t
+  attention = attention_flops(cfg, t) * cfg.n_layers
+  head = 2 * cfg.dim * cfg.vocab_size
+  return {"weights": weights, "attention": attention, "lm_head": head, "total": weights + attention + head}
+
+
+# ---------------------------------------------------------------- parts
+
+def part_check(cfg) -> dict:
+  """Blockwise vs dense on a ragged batch (T not a multiple of the block, a length-1 row), both colsum modes."""
+  t, lengths = 1000, jnp.asarray([1000, 1, 613])
+  q, k, v = _attention_inputs(cfg, t, batch=3, seed=1)
+  out = {}
+  for want in (False, True):
+    new = jax.jit(lambda q, k, v, n, w=want: A.prefill_attention(q, k, v, n, cfg.head_dim ** -0.5, w))
+    o, c = new(q, k, v, lengths)
+    ro, rc = A.prefill_attention_reference(q, k, v, lengths, cfg.head_dim ** -0.5, want)
+    out[f"max_abs_err_out_colsum={want}"] = float(jnp.max(jnp.abs(o - ro)))
+    if want:
+      out["max_abs_err_colsum"] = float(jnp.max(jnp.abs(c - rc)))
+  out["ok"] = all(v <= 1e-4 for k_, v in out.items() if k_.startswith("max"))
+  if not out["ok"]:
+    raise AssertionError(f"blockwise prefill attention differs from the reference: {out}")
+  return out
+
+
+def part_blocks(cfg) -> dict:
+  t = _BLOCK_CONTEXT.value
+  q, k, v = _attention_inputs(cfg, t)
+  lengths = jnp.asarray([t])
+  variants, compile_s = {}, {}
+  for size in _BLOCK_SIZES.value:
+    bq, bk = (int(x) for x in size.split("x"))
+    fn = lambda q, k, v, n, bq=bq, bk=bk: A.prefill_attention(q, k, v, n, cfg.head_dim ** -0.5, False,
+                                                               A.PrefillBlocks(bq, bk))[0]
+    variants[size], compile_s[size] = _compile(fn, q, k, v, lengths)
+  res = _interleaved(variants, (q, k, v, lengths), _ROUNDS.value, attention_flops(cfg, t))
+  for size in variants:
+    res[size]["compile_s"] = compile_s[size]
+  return {"context": t, "results": res}
+
+
+def _static_strips(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale, block_q):
+  """For comparison only: per query block, a dense masked softmax over its static key prefix (a Python loop
+  over query blocks, no online softmax); skips the upper triangle but forms [block_q, prefix] strips."""
+  b, t, n, h = q_BTNH.shape
+  n_kv = k_BTKH.shape[2]
+  outs = []
+  for start in range(0, t, block_q):
+    stop = min(start + block_q, t)
+    q_pos = jnp.arange(start, stop)
+    key_pos = jnp.arange(stop)
+    mask = (q_pos[:, None] >= key_pos[None, :])[None] & (key_pos[None, None, :] < lengths_B[:, None, None])
+    keys = jnp.swapaxes(k_BTKH[:, :stop], 1, 2)
+    values = jnp.swapaxes(v_BTKH[:, :stop], 1, 2)
+    o, _ = A.segmented_attention(q_BTNH[:, start:stop], [(keys, values, mask[:, None])], sm_scale, n_kv)
+    outs.append(o)
+  return jnp.concatenate(outs, axis=1)
+
+
+def part_structure(cfg) -> dict:
+  out = {}
+  for t in (4096, 8192):
+    q, k, v = _attention_inputs(cfg, t)
+    lengths = jnp.asarray([t])
+    scale = cfg.head_dim ** -0.5
+    fns = {"scan+fori (shipped, 256x256)": lambda q, k, v, n: A.prefill_attention(q, k, v, n, scale, False)[0],
+           "static strips 512": lambda q, k, v, n: _static_strips(q, k, v, n, scale, 512),
+           "static strips 1024": lambda q, k, v, n: _static_strips(q, k, v, n, scale, 1024)}
+    variants, compile_s = {}, {}
+    for name, fn in fns.items():
+      variants[name], compile_s[name] = _compile(fn, q, k, v, lengths)
+    res = _interleaved(variants, (q, k, v, lengths), _ROUNDS.value, attention_flops(cfg, t))
+    for name in variants:
+      res[name]["compile_s"] = compile_s[name]
+    out[str(t)] = res
+  return out
+
+
+def part_attention(cfg) -> dict:
+  out = {}
+  scale = cfg.head_dim ** -0.5
+  for t in (int(x) for x in _CONTEXTS.value):
+    q, k, v = _attention_inputs(cfg, t)
+    lengths = jnp.asarray([t])
+    variants = {}
+    variants["old"], _ = _compile(lambda q, k, v, n: A.prefill_attention_reference(q, k, v, n, scale, False)[0],
+                                  q, k, v, lengths)
+    variants["new"], _ = _compile(lambda q, k, v, n: A.prefill_attention(q, k, v, n, scale, False)[0],
+                                  q, k, v, lengths)
+    variants["new+colsum"], _ = _compile(lambda q, k, v, n: A.prefill_attention(q, k, v, n, scale, True),
+                                         q, k, v, lengths)
+    out[str(t)] = _interleaved(variants, (q, k, v, lengths), _ROUNDS.value, attention_flops(cfg, t))
+  return out
+
+
+def _model_prefill(impl):
+  def run(params, tokens_BT, cfg):
+    with _prefill_attention(impl):
+      logits, _, _ = decoder.forward(params, cfg, tokens_BT, None, None, "prefill",
+                                     logits_at=jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1] - 1))
+    return logits
+  return run
+
+
+def part_model(model) -> dict:
+  cfg, params = model.config, model.params
+  out = {}
+  for t in (int(x) for x in _CONTEXTS.value):
+    tokens = jnp.asarray(np.random.RandomState(t).randint(0, cfg.vocab_size, size=(1, t)), jnp.int32)
+    impls = {"new": A.prefill_attention}
+    if str(t) in _OLD_MODEL_CONTEXTS.value:
+      impls["old"] = A.prefill_attention_reference
+    variants, compile_s = {}, {}
+    for name, impl in impls.items():
+      fn = _model_prefill(impl)
+      t0 = time.perf_counter()
+      variants[name] = jax.jit(fn, static_argnums=2).lower(params, tokens, cfg).compile()
+      compile_s[name] = time.perf_counter() - t0
+    rounds = {"new": _ROUNDS.value, "old": _OLD_MODEL_ROUNDS.value}
+    fl = model_flops(cfg, t)
+    last = {}
+    res = _interleaved({n: (lambda p, x, f=f: f(p, x)) for n, f in variants.items()}, (params, tokens),
+                       {n: rounds[n] for n in variants}, fl["total"], last)
+    if "old" in variants:     # the two agree on the next token's logits
+      res["max_abs_logit_diff_new_vs_old"] = float(np.max(np.abs(np.asarray(last["new"]) - last["old"])))
+    for name in variants:
+      res[name]["compile_s"] = compile_s[name]
+    out[str(t)] = {"flops": fl, "results": res}
+  return out
+
+
+def _chunked_rows(fn, x_BTD, chunk: int):
+  """fn over row chunks of x [B, T, D] (T a multiple of chunk), one chunk at a time: bounded activations."""
+  b, t, d = x_BTD.shape
+  x_CBtD = jnp.moveaxis(x_BTD.reshape(b, t // chunk, chunk, d), 1, 0)
+  return jnp.moveaxis(jax.lax.map(fn, x_CBtD), 0, 1).reshape(b, t, -1)
+
+
+def part_memory(model) -> dict:
+  """Compile only: the whole-model prefill's temporary buffers (XLA's memory analysis), old vs new."""
+  cfg, params = model.config, model.params
+  out = {}
+  for t in (int(x) for x in _MEMORY_CONTEXTS.value):
+    tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    out[str(t)] = {}
+    for name, impl in (("new", A.prefill_attention), ("old", A.prefill_attention_reference)):
+      compiled = jax.jit(_model_prefill(impl), static_argnums=2).lower(params, tokens, cfg).compile()
+      out[str(t)][name] = {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
+  return out
+
+
+def part_layer(model) -> dict:
+  cfg, params = model.config, model.params
+  t = max(int(x) for x in _CONTEXTS.value)
+  lp = jax.tree.map(lambda x: x[0], params["layers"])
+  x = jax.random.normal(jax.random.key(0), (1, t, cfg.dim), jnp.float32) * 0.1
+  lengths = jnp.asarray([t])
+  q, k, v = jax.jit(lambda x: decoder.attention_inputs(cfg, lp, x, lengths, "prefill"))(x)
+  attn = jnp.zeros((1, t, cfg.n_heads, cfg.head_dim), jnp.float32)
+  d, h = cfg.dim, cfg.head_dim
+  parts = {
+      "qkv+rope": (lambda x: decoder.attention_inputs(cfg, lp, x, lengths, "prefill"), (x,),
+                   2 * t * d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h),
+      "attention": (lambda q, k, v: A.prefill_attention(q, k, v, lengths, h ** -0.5, False)[0], (q, k, v),
+                    attention_flops(cfg, t)),
+      "o_proj+residual": (lambda x, a: x + jnp.einsum("bte,ed->btd", a.reshape(1, t, -1), lp["wo"]), (x, attn),
+                          2 * t * cfg.n_heads * h * d),
+      "mlp_norm+mlp": (lambda x: swiglu_mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp), (x,),
+                       2 * t * 3 * d * cfg.ffn_dim),
+      "mlp_norm+mlp, rows in chunks of 2048 (lax.map)": (lambda x: _chunked_rows(
+          lambda c: swiglu_mlp(rms_norm(c, lp["mlp_norm"], cfg.norm_eps), lp), x, min(t, 2048)), (x,),
+          2 * t * 3 * d * cfg.ffn_dim),
+      "whole layer": (lambda x: decoder.layer_forward(cfg, None, lp, x, lengths, None, "prefill")[0], (x,),
+                      2 * t * layer_weight_params(cfg) + attention_flops(cfg, t)),
+  }
+  out = {"context": t}
+  for name, (fn, args, fl) in parts.items():
+    compiled, _ = _compile(fn, *args)
+    res = _interleaved({name: compiled}, args, _ROUNDS.value, fl)
+    out[name] = dict(res[name], flops=fl, load_average_before_after=res["load_average_before_after"])
+  return out
+
+
+def part_gemm() -> dict:
+  out = {}
+  for m, k, n in ((8192, 576, 1536), (2048, 576, 1536), (2048, 1536, 576)):
+    a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    compiled, _ = _compile(lambda a, b: a @ b, a, b)
+    res = _interleaved({"gemm": compiled}, (a, b), max(_ROUNDS.value, 5), 2 * m * k * n)
+    out[f"{m}x{k}x{n}"] = res["gemm"]
+  return out
+
+
+# ---------------------------------------------------------------- report
+
+def _markdown(report: dict) -> str:
+  m = report["machines"][0]
+  lines = ["# Prefill on the CPU: blockwise vs dense causal attention (SmolLM2-135M fp32, batch 1)", "",
+           "Commands (run in this order; each merges its parts into the same report, a later part or context "
+           "replacing an earlier one):", ""]
+  lines += [f"    {c}" for c in report["commands"]]
+  if report.get("source"):
+    lines += ["", f"Code measured: {report['source']}"]
+  lines += ["", f"Machine: {m['cpu_count']} CPU cores, jax {m['jax']}; runs started "
+            f"{', '.join(x['time'] for x in report['machines'])} with load averages (1 min) "
+            f"{', '.join(str(x['load_average_1_5_15'][:1]) for x in report['machines'])}. "
+            "Times are medians, wall and process-CPU seconds (the machine is shared: CPU seconds say more "
+            "than wall seconds when it is busy); the load average before → after each timing is given.", ""]
+  if "check" in report:
+    lines += [f"Check before timing (ragged batch, T=1000, lengths 1000/1/613): {report['check']}", ""]
+  if "attention" in report:
+    lines += ["## Attention alone (one layer, N=9, K=3, H=64)", "",
+              "| T | old wall s | new wall s | new+colsum wall s | speed-up (wall) | old CPU s | new CPU s | "
+              "new GFLOP/s | new GFLOP/CPU-s | load before → after |", "|---" * 10 + "|"]
+    for t, r in report["attention"].items():
+      lines.append(f"| {t} | {r['old']['wall_s']:.3f} | {r['new']['wall_s']:.3f} | {r['new+colsum']['wall_s']:.3f}"
+                   f" | {r['old']['wall_s'] / r['new']['wall_s']:.1f}x | {r['old']['cpu_s']:.3f} | "
+                   f"{r['new']['cpu_s']:.3f} | {r['new']['gflops_per_s']:.1f} | {r['new']['gflops_per_cpu_s']:.1f}"
+                   f" | {r['load_average_before_after'][0][0]} → {r['load_average_before_after'][1][0]} |")
+    lines.append("")
+  if "model" in report:
+    lines += ["## Whole-model prefill (30 layers, logits of the last row)", "",
+              "| T | TFLOP (weights + attention) | old wall s | new wall s | speed-up | old CPU s | new CPU s | "
+              "new GFLOP/s | new GFLOP/CPU-s | compile new s | load before → after |", "|---" * 11 + "|"]
+    notes = []
+    for t, r in report["model"].items():
+      res, fl = r["results"], r["flops"]
+      new, old = res["new"], res.get("old")
+      if old:
+        old_wall, old_cpu, mark = old["wall_s"], old["cpu_s"], ""
+      else:     # the old model = the new one with each layer's attention swapped back, from the attention part
+        attn = report.get("attention", {}).get(t)
+        n_layers = report["n_layers"]
+        old_wall = None     # wall seconds from runs under different loads do not add up
+        old_cpu = new["cpu_s"] + n_layers * (attn["old"]["cpu_s"] - attn["new"]["cpu_s"]) if attn else None
+        mark = " (est.)"
+        if attn:
+          notes.append(f"T={t}: the old model was not timed; its CPU seconds are estimated as the new model's plus "
+                       f"{n_layers} x (old - new attention alone at T={t}).")
+      speedup = (f"{old_wall / new['wall_s']:.1f}x (CPU {old_cpu / new['cpu_s']:.1f}x)" if old_wall else
+                 f"CPU {old_cpu / new['cpu_s']:.1f}x{mark}" if old_cpu else "–")
+      lines.append(
+          f"| {t} | {fl['total'] / 1e12:.2f} ({fl['weights'] / 1e12:.2f} + {fl['attention'] / 1e12:.2f}) | "
+          f"{f'{old_wall:.1f}{mark}' if old_wall else '–'} | {new['wall_s']:.1f} | {speedup} | "
+          f"{f'{old_cpu:.1f}{mark}' if old_cpu else '–'} | {new['cpu_s']:.1f} | {new['gflops_per_s']:.1f} | "
+          f"{new['gflops_per_cpu_s']:.1f} | {new['compile_s']:.1f} | {res['load_average_before_after'][0][0]} → "
+          f"{res['load_average_before_after'][1][0]} |")
+    cores = report["machines"][0]["cpu_count"]
+    lines += [""] + notes + [
+        f"Wall seconds here are inflated by the other jobs on this machine. With {cores} cores the XLA thread "
+        f"pool can do at most {cores} CPU-seconds per second, so new CPU s / {cores} is a lower bound on the "
+        "new model's wall time on an idle machine: "
+        + ", ".join(f"T={t}: {r['results']['new']['cpu_s'] / cores:.1f} s" for t, r in report["model"].items())
+        + ".", ""]
+  if "layer" in report:
+    r = report["layer"]
+    lines += [f"## One layer at T={r['context']}: where the time goes", "",
+              "| part | wall ms | CPU ms | GFLOP | GFLOP/s | GFLOP/CPU-s |", "|---" * 6 + "|"]
+    for name, x in r.items():
+      if name == "context":
+        continue
+      lines.append(f"| {name} | {x['wall_s'] * 1e3:.0f} | {x['cpu_s'] * 1e3:.0f} | {x['flops'] / 1e9:.1f} | "
+                   f"{x['gflops_per_s']:.1f} | {x['gflops_per_cpu_s']:.1f} |")
+    lines.append("")
+  if "blocks" in report:
+    r = report["blocks"]
+    lines += [f"## Block sizes (attention alone, T={r['context']})", "",
+              "| block_q x block_k | wall s | CPU s | GFLOP/s | GFLOP/CPU-s | compile s |", "|---" * 6 + "|"]
+    for name, x in r["results"].items():
+      if name.startswith("load"):
+        continue
+      lines.append(f"| {name} | {x['wall_s']:.3f} | {x['cpu_s']:.3f} | {x['gflops_per_s']:.1f} | "
+                   f"{x['gflops_per_cpu_s']:.1f} | {x['compile_s']:.1f} |")
+    lines += [f"Load before → after: {r['results']['load_average_before_after']}", ""]
+  if "structure" in report:
+    lines += ["## Loop structure (attention alone)", "",
+              "| T | variant | compile s | wall s | CPU s | GFLOP/CPU-s |", "|---" * 6 + "|"]
+    for t, res in report["structure"].items():
+      for name, x in res.items():
+        if not name.startswith("load"):
+          lines.append(f"| {t} | {name} | {x['compile_s']:.1f} | {x['wall_s']:.3f} | {x['cpu_s']:.3f} | "
+                       f"{x['gflops_per_cpu_s']:.1f} |")
+    lines.append("")
+  if "memory" in report:
+    lines += ["## Whole-model prefill memory (XLA's temporary buffers, compile only)", "",
+              "| T | old MB | new MB |", "|---" * 3 + "|"]
+    for t, r in report["memory"].items():
+      lines.append(f"| {t} | {r['old']['temp_bytes'] / 2**20:.0f} | {r['new']['temp_bytes'] / 2**20:.0f} |")
+    lines.append("")
+  if "gemm" in report:
+    lines += ["## fp32 GEMM through XLA (the MLP's shapes)", "", "| m x k x n | wall ms | GFLOP/s | GFLOP/CPU-s |",
+              "|---" * 4 + "|"]
+    for name, x in report["gemm"].items():
+      lines.append(f"| {name} | {x['wall_s'] * 1e3:.1f} | {x['gflops_per_s']:.1f} | {x['gflops_per_cpu_s']:.1f} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  command = "python -m experiments.prefill_bench " + " ".join(sys.argv[1:])
+  report = {"commands": [], "machines": []}
+  if _APPEND.value and os.path.exists(_OUT.value):
+    with open(_OUT.value) as f:
+      report = json.load(f)
+  report["commands"].append(command)
+  report["machines"].append(machine_info())
+  model = sj.load_model(_MODEL.value)
+  cfg = model.config
+  report["n_layers"] = cfg.n_layers
+  parts = _PARTS.value
+  runners = {"check": lambda: part_check(cfg), "gemm": part_gemm, "blocks": lambda: part_blocks(cfg),
+             "structure": lambda: part_structure(cfg), "attention": lambda: part_attention(cfg),
+             "model": lambda: part_model(model), "layer": lambda: part_layer(model),
+             "memory": lambda: part_memory(model)}
+  unknown = set(parts) - set(runners)
+  if unknown:
+    raise app.UsageError(f"unknown parts {sorted(unknown)}; choose from {sorted(runners)}")
+  for name in runners:
+    if name in parts:
+      t0 = time.perf_counter()
+      result = runners[name]()
+      if name in ("attention", "model", "structure") and isinstance(report.get(name), dict):
+        report[name].update(result)       # per context
+      else:
+        report[name] = result
+      print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+      path = os.path.abspath(_OUT.value)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+      with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(_markdown(report) + "\n")
+  print(_markdown(report))
+
+
+if __name__ == "__main__":
+  app.run(main)
