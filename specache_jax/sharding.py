@@ -99,6 +99,11 @@ def cache_specs(cache, n_kv_heads: int | None = None):
   return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads), cache)
 
 
+def layer_state_specs(state, n_kv_heads: int | None = None):
+  """PartitionSpecs for one layer's state (leaves [B, K, ...]) — a per-layer cache's or the offload runtime's."""
+  return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads, stacked=False), state)
+
+
 def cache_shardings(cache, mesh: Mesh, n_kv_heads: int | None = None):
   return named(mesh, cache_specs(cache, n_kv_heads))
 
@@ -116,3 +121,8 @@ def shard_batch(mesh: Mesh, tokens_BT, lengths_B):
   """Tokens [B, T] and lengths [B] with B on "data"."""
   return (jax.device_put(np.asarray(tokens_BT), NamedSharding(mesh, P("data", None))),
           jax.device_put(np.asarray(lengths_B), NamedSharding(mesh, P("data"))))
+
+
+def per_device_nbytes(tree) -> int:
+  """Bytes the first device holds of a (sharded) pytree: what shrinks as the mesh grows."""
+  return int(sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)))
