@@ -63,11 +63,14 @@ def ring_positions(lengths_B, residual: int):
 
 
 def _update_rows(buf, rows, start_B, enable_B):
-  """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged)."""
-  def one(buf, rows, start, enable):
-    old = jax.lax.dynamic_slice(buf, (0, start, 0), rows.shape)
-    return jax.lax.dynamic_update_slice(buf, jnp.where(enable, rows.astype(buf.dtype), old), (0, start, 0))
-  return jax.vmap(one)(buf, rows, start_B, enable_B)
+  """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged); one in-place
+  `dynamic_update_slice` per batch row (see attention.write_rows)."""
+  rows = rows.astype(buf.dtype)
+  for b in range(buf.shape[0]):
+    at = (b, 0, start_B[b], 0)
+    buf = jax.lax.cond(enable_B[b], lambda x, r=rows[b:b + 1], at=at: jax.lax.dynamic_update_slice(x, r, at),
+                       lambda x: x, buf)
+  return buf
 
 
 def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
