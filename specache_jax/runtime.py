@@ -29,16 +29,22 @@ from specache_jax.caches.base import observe_speculation
 from specache_jax.model import decoder as dec
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def _prefill_layer(lp, x, lengths, st, *, cfg, method):
+def _keep(st, layout):
+  """On a mesh, pin a layer's state to its (data, model) layout (per-row writes would let B go replicated)."""
+  return st if layout is None else jax.lax.with_sharding_constraint(st, layout)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "layout"))
+def _prefill_layer(lp, x, lengths, st, *, cfg, method, layout=None):
   q, k, v = dec.attention_inputs(cfg, lp, x, lengths, "prefill")
   attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
-  return dec.layer_output(cfg, lp, x, attn), st, k, v
+  return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase"))
-def _layer(lp, x, lengths, st, *, cfg, method, phase):
-  return dec.layer_forward(cfg, method, lp, x, lengths, st, phase)
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"))
+def _layer(lp, x, lengths, st, *, cfg, method, phase, layout=None):
+  x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase)
+  return x, _keep(st, layout), aux
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
@@ -122,9 +128,11 @@ class OffloadRuntime:
   def _init(self):
     st = self.method.impl.init(self.method, self.cfg, self.batch, self.max_len, self.dtype)
     self.states = list(dec.unstack_layers(st, self.cfg.n_layers))
+    self.layout = None
     if self.mesh is not None:
       specs = sharding.layer_state_specs(self.states[0], self.cfg.n_kv_heads)
-      self.states = [jax.device_put(s, sharding.named(self.mesh, specs)) for s in self.states]
+      self.layout = sharding.named(self.mesh, specs)
+      self.states = [jax.device_put(s, self.layout) for s in self.states]
     if self.store is not None:
       self.store.close()
     self.store = offload.make_store(self.method.host_store, self.cfg.n_layers, self.batch, self.cfg.n_kv_heads,
@@ -142,7 +150,7 @@ class OffloadRuntime:
   def prefill(self, tokens_BT, lengths_B):
     self._init()
     self._step_index = 0
-    kw = dict(cfg=self.cfg, method=self.method)
+    kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
     x = _embed(self.params, tokens_BT)
     for l, lp in enumerate(self.layer_params):
       x, self.states[l], k, v = _prefill_layer(lp, x, lengths_B, self.states[l], **kw)
@@ -157,7 +165,7 @@ class OffloadRuntime:
     x = _embed(self.params, first_B[:, None])
     for l, lp in enumerate(self.layer_params):
       x, self.states[l], _ = _layer(lp, x, lengths_B, self.states[l], cfg=self.cfg, method=self.method,
-                                    phase="predecode")
+                                    phase="predecode", layout=self.layout)
       pending.append(self.store.fetch(l, self.states[l].kappa))
     self._guard(1, "predecode", x)
     return x, pending
@@ -181,7 +189,7 @@ class OffloadRuntime:
       if sync:
         kappa = _kappa_for_step(lp, x[:, :1], lengths_B, st, **kw)
         st = _with_kappa_rows(st, kappa, self.store.fetch(l, kappa).result(), method=method)
-      x, st, _ = _layer(lp, x, lengths_B, st, phase="decode", **kw)
+      x, st, _ = _layer(lp, x, lengths_B, st, phase="decode", layout=self.layout, **kw)
       self.states[l] = st
       self.store.append(l, st.new_k, st.new_v, lengths_B)
       if method.speculative:
