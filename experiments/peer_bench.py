@@ -8,7 +8,7 @@ import os
 from absl import app, logging
 from ml_collections import config_flags
 
-from specache_jax.bench import peer, report
+from specache_jax.bench import peer, peer_report, report
 from specache_jax.experiments_lib import launch
 from specache_jax.experiments_lib.store import atomic_write_text
 
@@ -32,10 +32,10 @@ def main(argv):
   plot_name = ""
   if config.plot and result.get("scaling"):
     os.makedirs(os.path.dirname(config.plot) or ".", exist_ok=True)
-    peer.plot(result, config.plot)
+    peer_report.plot(result, config.plot)
     plot_name = os.path.relpath(config.plot, os.path.dirname(config.out) or ".")
   atomic_write_text(config.out + ".json", report.dumps(result))
-  text = peer.markdown(result, plot_name)
+  text = peer_report.markdown(result, plot_name)
   atomic_write_text(config.out + ".md", text + "\n")
   print(text)
 
