@@ -26,10 +26,10 @@ METHODS = {
 SLOTS = 2048
 
 
-def _prefilled(name):
+def _prefilled(name, batch=2):
   model = tiny_model(seed=3, head_dim=16, n_layers=3)
   method = sj.cache_config(name, **METHODS[name])
-  toks, lens = sj.pad_prompts(random_prompts(1, [200, 170], model.config.vocab_size))
+  toks, lens = sj.pad_prompts(random_prompts(1, [200, 170][:batch], model.config.vocab_size))
   inp, cache = throughput.prefill_jit(model.params, jnp.asarray(toks), jnp.asarray(lens), cfg=model.config,
                                       method=method, max_len=SLOTS)
   return model, method, inp, cache
@@ -43,9 +43,12 @@ def _aliased_params(compiled_text: str) -> set[int]:
   return {int(p) for p in re.findall(r"\}: \((\d+), \{", header.split("input_output_alias=", 1)[1])}
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", list(METHODS))
-def test_decode_step_aliases_every_cache_buffer_and_keeps_no_copy(name):
-  model, method, inp, cache = _prefilled(name)
+def test_decode_step_aliases_every_cache_buffer_and_keeps_no_copy(name, batch):
+  """batch 1 matters: there XLA views [1, K, S, H] as [K, S, H] for the attention dot, and (before the
+  conditional in attention.write_rows) fused the row write into that view and copied the cache twice."""
+  model, method, inp, cache = _prefilled(name, batch)
   assert decoder.is_per_layer(cache.layers)
   layer_params = throughput.unstack_params_jit(model.params, model.config.n_layers)
   lowered = throughput.decode_step_jit.lower(layer_params, inp, cache, cfg=model.config, method=method)
