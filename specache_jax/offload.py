@@ -49,6 +49,23 @@ def _device_available_bytes(device) -> int | None:
   return None
 
 
+PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"   # XLA's GPU client caps its pinned host pool (GiB)
+PINNED_LIMIT_DEFAULT_GIB = 64
+
+
+def pinned_limit_bytes(platform: str) -> int | None:
+  """The pinned host pool a `pinned_host` store allocates from: on GPU, XLA's cap ($XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB,
+  64 GiB by default); elsewhere no separate cap (None)."""
+  if platform not in ("gpu", "cuda", "rocm"):
+    return None
+  raw = os.environ.get(PINNED_LIMIT_ENV, "")
+  try:
+    gib = float(raw) if raw else PINNED_LIMIT_DEFAULT_GIB
+  except ValueError:
+    raise MemoryPlanError(f"{PINNED_LIMIT_ENV}={raw!r} must be a number of GiB") from None
+  return int(gib * 2**30)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   device_bytes: int            # weights + device cache state + activation peak
@@ -56,6 +73,8 @@ class MemoryPlan:
   device_available: int | None
   host_available: int
   shared_memory: bool          # CPU backend: "device" and host are the same RAM
+  store: str = "numpy"         # the host store's kind (resolve_store_kind): where host_bytes live
+  pinned_limit: int | None = None   # the pinned pool's cap when the store is pinned_host (GPU), else None
 
   def check(self) -> None:
     gib = lambda n: f"{n / 2**30:.2f} GiB"
@@ -71,12 +90,21 @@ class MemoryPlan:
     if self.host_bytes > self.host_available:
       raise MemoryPlanError(f"the 16-bit cache needs {gib(self.host_bytes)} of host memory but only "
                             f"{gib(self.host_available)} is available")
+    if self.store == "pinned_host" and self.pinned_limit is not None and self.host_bytes > self.pinned_limit:
+      raise MemoryPlanError(
+          f"the 16-bit cache needs {gib(self.host_bytes)} of pinned host memory but XLA's pinned pool is capped "
+          f"at {gib(self.pinned_limit)} (raise {PINNED_LIMIT_ENV}, up to the {gib(self.host_available)} "
+          f"available, or use host_store='numpy', which keeps the cache in pageable RAM)")
 
 
 def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
-                device=None, host_available: int | None = None, device_available: int | None = None) -> MemoryPlan:
-  """Sizes from shapes alone (jax.eval_shape), computed before anything is allocated."""
+                device=None, host_available: int | None = None, device_available: int | None = None,
+                platform: str | None = None, pinned_limit: int | None = None) -> MemoryPlan:
+  """Sizes from shapes alone (jax.eval_shape; `params` may be ShapeDtypeStructs), computed before anything is
+  allocated. platform / pinned_limit: default from `device` and the environment (override to plan for a
+  machine other than this one)."""
   device = device or jax.devices()[0]
+  platform = platform or device.platform
   nbytes = tree_nbytes
   st = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
   cache_dev = nbytes(st)
@@ -86,11 +114,14 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   act = batch * (prompt_len * (4 * model_cfg.dim + 3 * model_cfg.ffn_dim) * jnp.dtype(dtype).itemsize
                  + 2 * model_cfg.n_heads * chunk * prompt_len * 4 + prompt_len * model_cfg.vocab_size * 0)
   act += batch * model_cfg.vocab_size * 4 * 4
+  store = (resolve_store_kind(method.host_store, device) if platform == device.platform
+           else ("numpy" if method.host_store == "auto" else method.host_store))
   return MemoryPlan(
       device_bytes=nbytes(params) + cache_dev + int(act), host_bytes=int(host),
       device_available=device_available if device_available is not None else _device_available_bytes(device),
       host_available=host_available if host_available is not None else _host_available_bytes(),
-      shared_memory=device.platform == "cpu")
+      shared_memory=platform == "cpu", store=store,
+      pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform))
 
 
 def resolve_store_kind(kind: str, device) -> str:

@@ -97,3 +97,40 @@ def test_runtime_rejects_a_non_offload_config():
   with pytest.raises(ValueError, match="offload=True"):
     OffloadRuntime(model.params, model.config, sj.cache_config("specache", group_size=8, residual=8, topk=4),
                    1, 64)
+
+
+def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
+  """Llama-3-8B (bf16) at 32k x batch 25 holds 100 GiB of 16-bit KV: on a GPU host with 128 GiB of RAM it fits
+  pageable memory (numpy store) but not XLA's 64 GiB pinned pool (pinned_host store): refused up front, with
+  the numbers, before anything is allocated (params are shapes only). Host side only (device_available=None:
+  the one-shot prefill's activations at this size are issue 12's chunked prefill, not planned here)."""
+  from specache_jax.bench.models import SHAPES
+  from specache_jax.model.config import ModelConfig
+  from specache_jax.model.init import init_params
+  cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
+  plans = {}
+  for store in ("pinned_host", "numpy"):
+    method = sj.cache_config("specache", bits=1, group_size=64, residual=64, topk=64, offload=True,
+                             host_store=store)
+    plans[store] = offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, platform="gpu",
+                                       host_available=128 * 2**30, device_available=None,
+                                       pinned_limit=64 * 2**30)
+  assert plans["pinned_host"].host_bytes == 25 * 32768 * 2 * 32 * 8 * 128 * 2 == 100 * 2**30
+  with pytest.raises(offload.MemoryPlanError,
+                     match=r"needs 100\.00 GiB of pinned host memory .* capped at 64\.00 GiB .*"
+                           r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+    plans["pinned_host"].check()
+  assert plans["numpy"].store == "numpy"
+  plans["numpy"].check()                                                   # pageable RAM: 100 <= 128 GiB
+
+
+def test_pinned_pool_cap_comes_from_the_environment(monkeypatch):
+  assert offload.pinned_limit_bytes("cpu") is None
+  monkeypatch.delenv(offload.PINNED_LIMIT_ENV, raising=False)
+  assert offload.pinned_limit_bytes("gpu") == 64 * 2**30
+  monkeypatch.setenv(offload.PINNED_LIMIT_ENV, "96")
+  assert offload.pinned_limit_bytes("gpu") == 96 * 2**30
+  monkeypatch.setenv(offload.PINNED_LIMIT_ENV, "lots")
+  with pytest.raises(offload.MemoryPlanError, match="must be a number of GiB"):
+    offload.pinned_limit_bytes("gpu")

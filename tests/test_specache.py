@@ -191,3 +191,18 @@ def test_exact_on_miss_refetches_when_speculation_fails_and_offload_agrees():
   off = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                     cache=sj.cache_config("specache", offload=True, **kw))
   np.testing.assert_array_equal(off.tokens, sim.tokens)
+
+
+@pytest.mark.parametrize("s,k,block", [(1000, 16, 64), (4096, 64, 512), (300, 8, 512), (257, 32, 16),
+                                       (2048, 64, 64)])
+def test_blocked_top_k_is_lax_top_k_exactly_including_ties(s, k, block):
+  """The per-block top-k then top-k of the candidates returns lax.top_k's indices, in its order, also with
+  many equal scores (masked slots are all -1) and a ragged last block."""
+  from specache_jax.caches.specache import top_k_indices
+  rng = np.random.default_rng(s + k)
+  scores = rng.integers(0, 7, size=(2, 3, s)).astype(np.float32) / 7.0      # heavy ties
+  scores[0, :, s // 3:] = -1.0                                              # a masked tail, as `select` does
+  scores[1, 1] = rng.standard_normal(s)
+  got = np.asarray(top_k_indices(jnp.asarray(scores), k, block))
+  want = np.asarray(jax.lax.top_k(jnp.asarray(scores), k)[1])
+  np.testing.assert_array_equal(got, want)

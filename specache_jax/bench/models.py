@@ -27,6 +27,10 @@ SHAPES = {
     "llama3.2-1b": dict(architecture="llama", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                         head_dim=64, ffn_dim=8192, norm_eps=1e-5, rope_theta=500000.0, max_position=131072,
                         tie_embeddings=True, eos_token_ids=(128009,)),
+    # Llama-3-8B: the paper's scale (GPU check, memory plans).
+    "llama3-8b": dict(architecture="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_position=8192,
+                      tie_embeddings=False, eos_token_ids=(128001, 128009)),
     # A few-layer toy with head_dim 16 for the benchmark's own tests (group sizes up to 16).
     "tiny": dict(architecture="llama", vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16,
                  ffn_dim=64, rope_theta=10000.0, max_position=4096, eos_token_ids=()),

@@ -165,7 +165,29 @@ def select(method: SpeCacheConfig, probs_BKS, n_candidates_B):
   s = probs_BKS.shape[-1]
   ok = jnp.arange(s)[None, None, :] < n_candidates_B[:, None, None]
   scores = jnp.where(ok, probs_BKS, -1.0)
-  return jax.lax.top_k(scores, method.topk)[1].astype(jnp.int32)
+  return top_k_indices(scores, method.topk)
+
+
+TOPK_BLOCK = 512   # slots per block of `top_k_indices` (measured: results/topk_cpu.md)
+
+
+def top_k_indices(scores_BKS, k: int, block: int = TOPK_BLOCK):
+  """int32 indices of `lax.top_k(scores, k)` along the last axis, exactly (ties: the lower index first, as
+  lax.top_k), computed as the top-k of every block of `block` slots, then the top-k of those candidates.
+
+  Exact because each of the k largest is among its own block's k largest; ties agree because candidates are
+  laid out block by block, each block's in lax.top_k's order. For S > block it reads S scores once and sorts
+  only k·S/block candidates. Falls back to one lax.top_k when S <= block or block < k."""
+  s = scores_BKS.shape[-1]
+  if block < k or s <= block:
+    return jax.lax.top_k(scores_BKS, k)[1].astype(jnp.int32)
+  n_blocks = -(-s // block)
+  lead = scores_BKS.shape[:-1]
+  padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)
+  vals, idx = jax.lax.top_k(padded.reshape(lead + (n_blocks, block)), k)          # [..., n_blocks, k]
+  idx = idx + (jnp.arange(n_blocks, dtype=idx.dtype) * block).reshape((1,) * len(lead) + (n_blocks, 1))
+  _, pick = jax.lax.top_k(vals.reshape(lead + (n_blocks * k,)), k)
+  return jnp.take_along_axis(idx.reshape(lead + (n_blocks * k,)), pick, axis=-1).astype(jnp.int32)
 
 
 def _membership(pos_BKY, set_BKX):
