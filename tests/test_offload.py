@@ -134,3 +134,54 @@ def test_pinned_pool_cap_comes_from_the_environment(monkeypatch):
   monkeypatch.setenv(offload.PINNED_LIMIT_ENV, "lots")
   with pytest.raises(offload.MemoryPlanError, match="must be a number of GiB"):
     offload.pinned_limit_bytes("gpu")
+
+
+class _RecordingStore:
+  """Wraps a host store; logs ("fetch", n, layer) when a fetch is issued and ("wait", n, layer) when the
+  runtime asks for its rows (n numbers the fetches in issue order)."""
+
+  def __init__(self, store, log):
+    self._store, self.log, self._n = store, log, 0
+
+  def fetch(self, layer, kappa):
+    n, self._n = self._n, self._n + 1
+    self.log.append(("fetch", n, layer))
+    pending, log = self._store.fetch(layer, kappa), self.log
+
+    class Waited:
+      def result(self):
+        log.append(("wait", n, layer))
+        return pending.result()
+    return Waited()
+
+  def __getattr__(self, name):
+    return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("store", ["pinned_host", "numpy"])
+def test_each_fetch_is_issued_before_the_next_layer_and_waited_on_only_a_step_later(store):
+  """The pipeline's order, from the calls themselves (not timing): during step t, layer l's fetch of κ_{t+1}
+  is issued right after layer l and before layer l+1 waits for anything; the first wait on it comes in step
+  t+1, after every layer of step t has issued its own fetch."""
+  model, method, rt = _runtime(store=store)
+  toks, lens = sj.pad_prompts(random_prompts(8, [40, 21], model.config.vocab_size))
+  log, n_layers = [], model.config.n_layers
+  rt._init = (lambda init: lambda: (init(), setattr(rt, "store", _RecordingStore(rt.store, log))))(rt._init)
+  out = rt.generate(toks, lens, 6, jax.random.key(0))
+  assert out.tokens.shape == (2, 6)
+  issued = {n: i for i, (kind, n, _) in enumerate(log) if kind == "fetch"}
+  waited = {n: i for i, (kind, n, _) in enumerate(log) if kind == "wait"}
+  layer_of = {n: l for kind, n, l in log if kind == "fetch"}
+  assert waited and set(waited) <= set(issued)
+  for n, w in waited.items():
+    step_of_n = n // n_layers                              # fetches come n_layers per pass (pre-decoding first)
+    last_of_step = (step_of_n + 1) * n_layers - 1
+    assert issued[last_of_step] < w, f"fetch {n} (layer {layer_of[n]}) waited on before its pass ended"
+    between = [m for kind, m, _ in log[issued[n]:w] if kind == "fetch"]
+    assert len(between) >= n_layers - layer_of[n], "layers after l did not issue their fetches first"
+  for n, i in issued.items():   # layer l's fetch is issued before layer l+1 takes its own rows of this step
+    nxt = n - n_layers + 1                                 # the fetch (previous pass) layer l+1 waits on now
+    if layer_of[n] < n_layers - 1 and nxt in waited:
+      assert i < waited[nxt], f"layer {layer_of[n] + 1} waited before layer {layer_of[n]}'s fetch was issued"
+  for n in range(len(issued) - 1):                         # issue order: layer by layer within a pass
+    assert layer_of[n + 1] == (layer_of[n] + 1) % n_layers
