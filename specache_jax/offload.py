@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import os
 
 import jax
@@ -135,18 +136,33 @@ def resolve_store_kind(kind: str, device) -> str:
 
 # ----- pinned_host store: host computations on host-memory arrays -----
 
+_COMPUTE_ON_TAKES_SPACES = "out_memory_spaces" in inspect.signature(compute_on).parameters
+
+
+def _on_host(fn, *args):
+  """fn(*args) as a host computation ("device_host") whose outputs stay in host memory. jax 0.10 has
+  `compute_on` as a context manager; 0.11 made it a function transform with keyword-only `compute_type` and
+  `out_memory_spaces`: both are handled here, so the store runs on either."""
+  if _COMPUTE_ON_TAKES_SPACES:
+    return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(fn)(*args)
+  with compute_on("device_host"):
+    return fn(*args)
+
+
+def _write_rows_each(buf_BKSH, rows_BKTH, start_B):
+  for b in range(buf_BKSH.shape[0]):      # per row (a vmapped start would put its index math on the device)
+    buf_BKSH = jax.lax.dynamic_update_slice(buf_BKSH, rows_BKTH[b:b + 1], (b, 0, start_B[b], 0))
+  return buf_BKSH
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _host_write(buf_BKSH, rows_BKTH, start_B):
-  with compute_on("device_host"):
-    for b in range(buf_BKSH.shape[0]):      # per row (a vmapped start would put its index math on the device)
-      buf_BKSH = jax.lax.dynamic_update_slice(buf_BKSH, rows_BKTH[b:b + 1], (b, 0, start_B[b], 0))
-    return buf_BKSH
+  return _on_host(_write_rows_each, buf_BKSH, rows_BKTH, start_B)
 
 
 @jax.jit
 def _host_gather(buf_BKSH, idx_BKX):
-  with compute_on("device_host"):
-    return jax.vmap(jax.vmap(lambda b, i: b[i]))(buf_BKSH, idx_BKX)        # [B, K, X, H]
+  return _on_host(jax.vmap(jax.vmap(lambda b, i: b[i])), buf_BKSH, idx_BKX)       # [B, K, X, H]
 
 
 @jax.jit
