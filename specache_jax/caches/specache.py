@@ -168,18 +168,22 @@ def select(method: SpeCacheConfig, probs_BKS, n_candidates_B):
   return top_k_indices(scores, method.topk)
 
 
-TOPK_BLOCK = 512   # slots per block of `top_k_indices` (measured: results/topk_cpu.md)
+# Slots per block of `top_k_indices` in `select`; None = one lax.top_k. Measured on XLA:CPU
+# (results/topk_cpu.md): its TopK is already faster than any blocked variant (k=64, S=8192: 0.11 ms vs 0.15-0.76
+# ms), so the default is None. XLA:GPU's fast TopK targets small k and may sort the whole axis at k=64: the
+# GPU check measures the blocked form there.
+TOPK_BLOCK = None
 
 
-def top_k_indices(scores_BKS, k: int, block: int = TOPK_BLOCK):
+def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
   """int32 indices of `lax.top_k(scores, k)` along the last axis, exactly (ties: the lower index first, as
   lax.top_k), computed as the top-k of every block of `block` slots, then the top-k of those candidates.
 
   Exact because each of the k largest is among its own block's k largest; ties agree because candidates are
   laid out block by block, each block's in lax.top_k's order. For S > block it reads S scores once and sorts
-  only k·S/block candidates. Falls back to one lax.top_k when S <= block or block < k."""
+  only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
   s = scores_BKS.shape[-1]
-  if block < k or s <= block:
+  if block is None or block < k or s <= block:
     return jax.lax.top_k(scores_BKS, k)[1].astype(jnp.int32)
   n_blocks = -(-s // block)
   lead = scores_BKS.shape[:-1]
