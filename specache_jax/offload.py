@@ -115,8 +115,7 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   act = batch * (prompt_len * (4 * model_cfg.dim + 3 * model_cfg.ffn_dim) * jnp.dtype(dtype).itemsize
                  + 2 * model_cfg.n_heads * chunk * prompt_len * 4 + prompt_len * model_cfg.vocab_size * 0)
   act += batch * model_cfg.vocab_size * 4 * 4
-  store = (resolve_store_kind(method.host_store, device) if platform == device.platform
-           else ("numpy" if method.host_store == "auto" else method.host_store))
+  store = resolve_store_kind(method.host_store)
   return MemoryPlan(
       device_bytes=nbytes(params) + cache_dev + int(act), host_bytes=int(host),
       device_available=device_available if device_available is not None else _device_available_bytes(device),
@@ -125,10 +124,9 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
       pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform))
 
 
-def resolve_store_kind(kind: str, device) -> str:
+def resolve_store_kind(kind: str) -> str:
   if kind not in HOST_STORES:
     raise ValueError(f"host_store={kind!r} must be one of {HOST_STORES}")
-  del device
   # auto = the host-worker store everywhere: its gathers and writes never enter the device's compute stream
   # (pinned_host's host programs queue behind layer l on a GPU, where device code also cannot index pinned_host
   # arrays, jax#34041), and on this CPU it is the faster one too (SmolLM2 shapes, S=8192, B=1: 111 vs 119 ms per
@@ -298,7 +296,7 @@ def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=
   """The host store of `kind` (auto: pinned_host where the device has that memory, else numpy), laid out on
   `mesh` when given."""
   device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
-  kind = resolve_store_kind(kind, device)
+  kind = resolve_store_kind(kind)
   if mesh is not None:
     cls = MeshPinnedHostStore if kind == "pinned_host" else MeshNumpyHostStore
     return cls(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specache_jax import quant
+from specache_jax.caches import attention as A
 
 L2_BLOCK_BYTES = 768 * 1024   # dequantized value block [B, K, block, H] float32 kept under this (L2 = 1 MiB)
 MIN_BLOCK_S = 128
@@ -46,12 +47,6 @@ def _check(codes_BKSC, scale, zero, bits: int, group_size: int, head_dim: int, w
                      f"{bits=} (need C * 8 = H * b)")
   if scale.shape != zero.shape:
     raise ValueError(f"{what} scale {scale.shape} and zero {zero.shape} differ")
-
-
-def _query_rows(q_BTKGH):
-  """[B, T, K, G, H] -> float32 [B, K, M, H], m = g_idx * T + t."""
-  b, t, n_kv, n_rep, h = q_BTKGH.shape
-  return jnp.transpose(q_BTKGH, (0, 2, 3, 1, 4)).reshape(b, n_kv, n_rep * t, h).astype(jnp.float32)
 
 
 def _pairwise_sum(terms):
@@ -94,7 +89,7 @@ def key_logits(q_BTKGH, k_codes, k_scale, k_zero, *, bits: int, group_size: int)
   per = 8 // bits
   c = h // per
   m = n_rep * t
-  q_BKMH = _query_rows(q_BTKGH)
+  q_BKMH = A.query_rows(q_BTKGH)
   qs_BKMPCJ = jnp.einsum("bkmh,bkph->bkmph", q_BKMH, k_scale.astype(jnp.float32)).reshape(
       b, n_kv, m, n_groups, c, per)
   if bits > 1:
@@ -131,7 +126,7 @@ def key_logits_blocked(q_BTKGH, k_codes, k_scale, k_zero, *, bits: int, group_si
   blk = auto_block_s(b, n_kv, h, s, group_size) if block_s is None else block_s
   if blk <= 0 or blk % group_size:
     raise ValueError(f"block_s={blk} must be a positive multiple of {group_size=}")
-  q_BKMH = _query_rows(q_BTKGH)
+  q_BKMH = A.query_rows(q_BTKGH)
 
   def logits_of(start, size):
     codes = lax.dynamic_slice_in_dim(k_codes, start, size, 2)
