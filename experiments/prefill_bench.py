@@ -285,11 +285,12 @@ def part_layer(model) -> dict:
   lp = jax.tree.map(lambda x: x[0], params["layers"])
   x = jax.random.normal(jax.random.key(0), (1, t, cfg.dim), jnp.float32) * 0.1
   lengths = jnp.asarray([t])
-  q, k, v = jax.jit(lambda x: decoder.attention_inputs(cfg, lp, x, lengths, "prefill"))(x)
+  rope = decoder.rope_for(cfg, "prefill", lengths, t)
+  q, k, v = jax.jit(lambda x: decoder.attention_inputs(cfg, lp, x, rope))(x)
   attn = jnp.zeros((1, t, cfg.n_heads, cfg.head_dim), jnp.float32)
   d, h = cfg.dim, cfg.head_dim
   parts = {
-      "qkv+rope": (lambda x: decoder.attention_inputs(cfg, lp, x, lengths, "prefill"), (x,),
+      "qkv+rope": (lambda x: decoder.attention_inputs(cfg, lp, x, rope), (x,),
                    2 * t * d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h),
       "attention": (lambda q, k, v: A.prefill_attention(q, k, v, lengths, h ** -0.5, False)[0], (q, k, v),
                     attention_flops(cfg, t)),
@@ -300,7 +301,7 @@ def part_layer(model) -> dict:
       "mlp_norm+mlp, rows in chunks of 2048 (lax.map)": (lambda x: _chunked_rows(
           lambda c: swiglu_mlp(rms_norm(c, lp["mlp_norm"], cfg.norm_eps), lp), x, min(t, 2048)), (x,),
           2 * t * 3 * d * cfg.ffn_dim),
-      "whole layer": (lambda x: decoder.layer_forward(cfg, None, lp, x, lengths, None, "prefill")[0], (x,),
+      "whole layer": (lambda x: decoder.layer_forward(cfg, None, lp, x, lengths, None, "prefill", rope)[0], (x,),
                       2 * t * layer_weight_params(cfg) + attention_flops(cfg, t)),
   }
   out = {"context": t}

@@ -18,6 +18,16 @@ def tree_nbytes(tree) -> int:
   return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
+def fusion_barrier(tree, holds):
+  """`tree`, computed into buffers of its own: XLA cannot fuse its producers into its consumers.
+
+  holds: a bool scalar that is true at run time but not foldable at compile time (e.g. `all(lengths >= 0)`);
+  the tree passes through a `lax.cond` on it (the other branch gives zeros). Used where XLA:CPU would
+  otherwise recompute an expensive producer per element of a large consumer (an `optimization_barrier` does
+  not survive its pipeline; a conditional does)."""
+  return jax.lax.cond(holds, lambda t: t, lambda t: jax.tree.map(jnp.zeros_like, t), tree)
+
+
 class Ready:
   """A result whose arrays are already dispatched (they become ready asynchronously); `result()` returns it,
   as a `concurrent.futures.Future` would."""

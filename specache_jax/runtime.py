@@ -35,25 +35,25 @@ def _keep(st, layout):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "layout"))
-def _prefill_layer(lp, x, lengths, st, *, cfg, method, layout=None):
-  q, k, v = dec.attention_inputs(cfg, lp, x, lengths, "prefill")
+def _prefill_layer(lp, x, lengths, rope, st, *, cfg, method, layout=None):
+  q, k, v = dec.attention_inputs(cfg, lp, x, rope)
   attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
   return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"))
-def _layer(lp, x, lengths, st, rows=None, *, cfg, method, phase, layout=None):
+def _layer(lp, x, lengths, rope, st, rows=None, *, cfg, method, phase, layout=None):
   """One layer. rows: (k, v) [B, K, X, H] fetched for the state's κ, installed first (one dispatch per layer
   instead of two)."""
   if rows is not None:
     st = sc.with_fetched(st, st.kappa, *rows)
-  x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase)
+  x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
   return x, _keep(st, layout), aux
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def _kappa_for_step(lp, x, lengths, st, *, cfg, method):
-  q, k, v = dec.attention_inputs(cfg, lp, x, lengths, "decode")
+def _kappa_for_step(lp, x, lengths, rope, st, *, cfg, method):
+  q, k, v = dec.attention_inputs(cfg, lp, x, rope)
   return sc.kappa_for_step(method, st, q, k, v, lengths)
 
 
@@ -73,9 +73,10 @@ def _with_kappa_rows(st, kappa, rows, *, method):
   return sc.with_fetched(st, kappa, *rows)
 
 
-@jax.jit
-def _embed(params, tokens):
-  return dec.embed(params, tokens)
+@functools.partial(jax.jit, static_argnames=("cfg", "phase"))
+def _embed(params, tokens, lengths, *, cfg, phase):
+  """The step's inputs to the first layer and the RoPE tables every layer shares."""
+  return dec.embed(params, tokens), dec.rope_for(cfg, phase, lengths, tokens.shape[1])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -155,9 +156,9 @@ class OffloadRuntime:
     self._init()
     self._step_index = 0
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
-    x = _embed(self.params, tokens_BT)
+    x, rope = _embed(self.params, tokens_BT, lengths_B, cfg=self.cfg, phase="prefill")
     for l, lp in enumerate(self.layer_params):
-      x, self.states[l], k, v = _prefill_layer(lp, x, lengths_B, self.states[l], **kw)
+      x, self.states[l], k, v = _prefill_layer(lp, x, lengths_B, rope, self.states[l], **kw)
       self.store.write_prompt(l, k, v)
     logits = _head(self.params, x, lengths_B - 1, cfg=self.cfg)
     self._guard(0, "prefill", logits)
@@ -166,9 +167,9 @@ class OffloadRuntime:
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer right after that layer."""
     pending = []
-    x = _embed(self.params, first_B[:, None])
+    x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, phase="predecode")
     for l, lp in enumerate(self.layer_params):
-      x, self.states[l], _ = _layer(lp, x, lengths_B, self.states[l], cfg=self.cfg, method=self.method,
+      x, self.states[l], _ = _layer(lp, x, lengths_B, rope, self.states[l], cfg=self.cfg, method=self.method,
                                     phase="predecode", layout=self.layout)
       pending.append(self.store.fetch(l, self.states[l].kappa))
     self._guard(1, "predecode", x)
@@ -184,7 +185,7 @@ class OffloadRuntime:
     if method.exact_on_miss and method.speculative and miss_B is not None:
       self.states = list(_observe(tuple(self.states), jnp.asarray(miss_B), method=method))
     sync = sc.fetches_on_critical_path(method) and (not method.speculative or bool(np.any(miss_B)))
-    x = _embed(self.params, inp_BW)
+    x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, phase="decode")
     nxt_pending = []
     for l, lp in enumerate(self.layer_params):
       st, rows = self.states[l], None
@@ -193,9 +194,9 @@ class OffloadRuntime:
       if sync:
         if rows is not None:
           st = _with_fetched(st, rows)
-        kappa = _kappa_for_step(lp, x[:, :1], lengths_B, st, **kw)
+        kappa = _kappa_for_step(lp, x[:, :1], lengths_B, jax.tree.map(lambda r: r[:, :1], rope), st, **kw)
         st, rows = _with_kappa_rows(st, kappa, self.store.fetch(l, kappa).result(), method=method), None
-      x, st, _ = _layer(lp, x, lengths_B, st, rows, phase="decode", layout=self.layout, **kw)
+      x, st, _ = _layer(lp, x, lengths_B, rope, st, rows, phase="decode", layout=self.layout, **kw)
       self.states[l] = st
       self.store.append(l, st.new_k, st.new_v, lengths_B)
       if method.speculative:

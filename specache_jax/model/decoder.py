@@ -17,10 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
 from specache_jax.model.config import ModelConfig
-from specache_jax.model.layers import apply_rope, rms_norm, swiglu_mlp
+from specache_jax.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 
 PHASES = ("prefill", "decode", "predecode")
 
@@ -33,7 +34,16 @@ def positions_for(phase: str, lengths_B, t: int):
   return lengths_B[:, None].astype(jnp.int32) + offsets
 
 
-def qkv(cfg: ModelConfig, lp, h_BTD, positions_BT):
+def rope_for(cfg: ModelConfig, phase: str, lengths_B, t: int):
+  """RoPE tables (cos, sin) [B, T, 1, H] of the new rows, computed once per forward and shared by the layers.
+
+  Behind a `fusion_barrier`: otherwise XLA:CPU fuses cos/sin into every consumer of a rotated query and
+  recomputed them per element of the low-bit scores' [B, K, M, P, H] query·scale product (measured: SpeCache
+  1-bit at 8k spent ~0.5 ms per layer there, ~16 ms of an ~80 ms step)."""
+  return fusion_barrier(rope_tables(positions_for(phase, lengths_B, t), cfg), jnp.all(lengths_B >= 0))
+
+
+def qkv(cfg: ModelConfig, lp, h_BTD, rope):
   """Projections + RoPE: q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]."""
   b, t, _ = h_BTD.shape
   q = jnp.einsum("btd,de->bte", h_BTD, lp["wq"])
@@ -46,13 +56,13 @@ def qkv(cfg: ModelConfig, lp, h_BTD, positions_BT):
   q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
   k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
   v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-  return apply_rope(q, positions_BT, cfg), apply_rope(k, positions_BT, cfg), v
+  return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def attention_inputs(cfg: ModelConfig, lp, x_BTD, lengths_B, phase: str):
-  """Pre-attention half of a layer: RMSNorm, projections, RoPE -> q [B,T,N,H], k, v [B,T,K,H]."""
+def attention_inputs(cfg: ModelConfig, lp, x_BTD, rope):
+  """Pre-attention half of a layer: RMSNorm, projections, RoPE (`rope_for`) -> q [B,T,N,H], k, v [B,T,K,H]."""
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-  return qkv(cfg, lp, h, positions_for(phase, lengths_B, x_BTD.shape[1]))
+  return qkv(cfg, lp, h, rope)
 
 
 def layer_output(cfg: ModelConfig, lp, x_BTD, attn_BTNH):
@@ -79,11 +89,12 @@ def cache_attention(cfg: ModelConfig, method: CacheConfig | None, st, q, k, v, l
   return attn, st, aux
 
 
-def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str):
-  """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode).
+def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str, rope):
+  """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode);
+  rope: `rope_for(cfg, phase, lengths, T)`.
 
   Returns (x [B,T,D], new per-layer state, aux dict)."""
-  q, k, v = attention_inputs(cfg, lp, x_BTD, lengths_B, phase)
+  q, k, v = attention_inputs(cfg, lp, x_BTD, rope)
   attn, st, aux = cache_attention(cfg, method, st, q, k, v, lengths_B, phase)
   return layer_output(cfg, lp, x_BTD, attn), st, aux
 
@@ -158,12 +169,13 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
   else:
     lengths = cache.lengths
   x = embed(params, tokens_BT)
+  rope = rope_for(cfg, phase, lengths, t)
 
   if cache is not None and is_per_layer(cache.layers):
     lps = unstack_layers(params["layers"], cfg.n_layers)
     new_states, auxes = [], []
     for lp, st in zip(lps, cache.layers):
-      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
+      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
       new_states.append(st)
       auxes.append(aux)
     new_states = tuple(new_states)
@@ -171,7 +183,7 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
   else:
     def body(x, layer):
       lp, st = layer
-      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase)
+      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
       return x, (st, aux)
 
     layer_states = None if cache is None else cache.layers

@@ -41,14 +41,19 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
   return inv
 
 
-def apply_rope(x, positions, cfg: ModelConfig):
-  """x [B, T, heads, H], positions [B, T] int -> rotated x (HF rotate-half layout), same dtype."""
+def rope_tables(positions_BT, cfg: ModelConfig):
+  """positions [B, T] int -> (cos, sin), each float32 [B, T, 1, H] (HF rotate-half layout)."""
   inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)                         # [H/2]
-  angles_BTh = positions.astype(jnp.float32)[:, :, None] * inv[None, None, :]  # [B, T, H/2]
+  angles_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv[None, None, :]  # [B, T, H/2]
   angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  return jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+
+
+def apply_rope(x, rope):
+  """x [B, T, heads, H], rope = `rope_tables(...)` -> rotated x, same dtype."""
+  cos, sin = rope
   x32 = x.astype(jnp.float32)
-  half = cfg.head_dim // 2
+  half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
