@@ -108,3 +108,28 @@ def test_bad_generate_input_fails_clearly(bad, match):
   model = tiny_model(seed=0)
   with pytest.raises(ValueError, match=match):
     sj.generate(model, **bad)
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 5])
+def test_prefill_in_row_chunks_equals_one_piece(chunk, monkeypatch):
+  """A long prompt's per-row work runs in pieces of ROW_CHUNK rows of B·T (`decoder.in_row_chunks`): with
+  pieces that split rows of the batch unevenly (and a remainder) the logits and the stored cache are those of
+  one piece."""
+  from specache_jax.model import decoder
+  model = tiny_model(seed=4)
+  cfg, params = model.config, model.params
+  toks, lens = sj.pad_prompts(random_prompts(5, [30, 19], cfg.vocab_size))
+  method = cache_config("full")
+
+  def prefill():
+    cache = init_cache(method, cfg, 2, 64, jnp.float32)
+    logits, cache, _ = decoder.forward(params, cfg, jnp.asarray(toks), cache, method, "prefill",
+                                       prompt_lengths=jnp.asarray(lens))
+    return logits, cache
+
+  whole_logits, whole_cache = prefill()
+  monkeypatch.setattr(decoder, "ROW_CHUNK", chunk)
+  logits, cache = prefill()
+  np.testing.assert_allclose(logits, whole_logits, atol=3e-5, rtol=1e-5)   # GEMMs of other shapes round apart
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(whole_cache)):
+    np.testing.assert_allclose(a, b, atol=3e-5, rtol=1e-5)

@@ -24,6 +24,7 @@ from specache_jax.model.config import ModelConfig
 from specache_jax.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 
 PHASES = ("prefill", "decode", "predecode")
+ROW_CHUNK = 1024   # rows (batch x positions) per piece of a long prompt's per-row work (projections, MLP)
 
 
 def positions_for(phase: str, lengths_B, t: int):
@@ -60,16 +61,44 @@ def qkv(cfg: ModelConfig, lp, h_BTD, rope):
 
 
 def attention_inputs(cfg: ModelConfig, lp, x_BTD, rope):
-  """Pre-attention half of a layer: RMSNorm, projections, RoPE (`rope_for`) -> q [B,T,N,H], k, v [B,T,K,H]."""
-  h = rms_norm(x_BTD, lp["attn_norm"], cfg.norm_eps)
-  return qkv(cfg, lp, h, rope)
+  """Pre-attention half of a layer: RMSNorm, projections, RoPE (`rope_for`) -> q [B,T,N,H], k, v [B,T,K,H].
+  Runs `in_row_chunks`."""
+  def rows(x, cos, sin):
+    return qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.norm_eps), (cos, sin))
+  return in_row_chunks(rows, x_BTD, *rope)
 
 
 def layer_output(cfg: ModelConfig, lp, x_BTD, attn_BTNH):
-  """Post-attention half of a layer: o_proj + residual, RMSNorm, SwiGLU + residual -> x [B,T,D]."""
-  b, t, _ = x_BTD.shape
-  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn_BTNH.reshape(b, t, -1), lp["wo"])
-  return x_BTD + swiglu_mlp(rms_norm(x_BTD, lp["mlp_norm"], cfg.norm_eps), lp)
+  """Post-attention half of a layer: o_proj + residual, RMSNorm, SwiGLU + residual -> x [B,T,D].
+  Runs `in_row_chunks`."""
+  def rows(x, attn):
+    b, t, _ = x.shape
+    x = x + jnp.einsum("bte,ed->btd", attn.reshape(b, t, -1), lp["wo"])
+    return x + swiglu_mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+  return in_row_chunks(rows, x_BTD, attn_BTNH)
+
+
+def in_row_chunks(fn, *arrays_BT, chunk: int | None = None):
+  """fn over arrays [B, T, ...] applied to pieces of `chunk` rows of the flattened B·T axis (a `lax.map`, plus
+  one piece for the remainder) -> fn's outputs [B, T, ...]. fn must treat rows independently.
+
+  A long prompt's projections and MLP run as GEMMs whose [rows, F] intermediates stay in cache (measured at
+  T=8192 on the 2-core CPU: the SwiGLU MLP 315 ms whole vs 235 ms in pieces of 512-1024 rows)."""
+  chunk = ROW_CHUNK if chunk is None else chunk
+  b, t = arrays_BT[0].shape[:2]
+  n = b * t
+  if n <= chunk:
+    return fn(*arrays_BT)
+  flat = [a.reshape((n,) + a.shape[2:]) for a in arrays_BT]
+  n_full, tail = divmod(n, chunk)
+  call = lambda xs: fn(*[x[None] for x in xs])                          # a piece as [1, rows, ...]
+  pieces = jax.lax.map(lambda xs: jax.tree.map(lambda y: y[0], call(xs)),
+                       [x[:n_full * chunk].reshape((n_full, chunk) + x.shape[1:]) for x in flat])
+  pieces = jax.tree.map(lambda y: y.reshape((n_full * chunk,) + y.shape[2:]), pieces)
+  if tail:
+    rest = jax.tree.map(lambda y: y[0], call([x[n_full * chunk:] for x in flat]))
+    pieces = jax.tree.map(lambda a, r: jnp.concatenate([a, r], axis=0), pieces, rest)
+  return jax.tree.map(lambda y: y.reshape((b, t) + y.shape[1:]), pieces)
 
 
 def cache_attention(cfg: ModelConfig, method: CacheConfig | None, st, q, k, v, lengths_B, phase: str):
