@@ -2,10 +2,12 @@
 our step time vs context).
 
   python -m experiments.peer_bench --config=configs/peer_bench.py      # see the config for variants
+  python -m experiments.peer_bench --merge=a.json,b.json --config.out=results/peer_cpu   # runs as one report
 """
+import json
 import os
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from specache_jax.bench import peer, peer_report, report
@@ -13,12 +15,22 @@ from specache_jax.experiments_lib import launch
 from specache_jax.experiments_lib.store import atomic_write_text
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/peer_bench.py", "benchmark config", lock_config=True)
+_MERGE = flags.DEFINE_list("merge", [], "result JSONs of earlier runs to merge into one report at config.out "
+                           "(a later run's cell replaces an earlier one's; targets recomputed); runs nothing")
 
 
 def main(argv):
   if launch.start(argv) is not None:
     raise app.UsageError("experiments.peer_bench runs on one device; drop --mesh")
   config = _CONFIG.value
+  if _MERGE.value:
+    results = []
+    for path in _MERGE.value:
+      if not os.path.isfile(path):
+        raise app.UsageError(f"--merge: {path!r} is not a file (expected a peer_bench result JSON)")
+      with open(path) as f:
+        results.append(json.load(f))
+    return _write(config, peer.merge(results, config.targets))
   logging.info("config:\n%s", config)
   command = launch.command_line("peer_bench")
 
@@ -29,6 +41,10 @@ def main(argv):
   with launch.bad_input_as_usage():
     result = peer.run(config, log=logging.info, progress=save_partial)
   result["meta"]["command"] = command
+  _write(config, result)
+
+
+def _write(config, result):
   plot_name = ""
   if config.plot and result.get("scaling"):
     os.makedirs(os.path.dirname(config.plot) or ".", exist_ok=True)

@@ -19,13 +19,19 @@ def tree_nbytes(tree) -> int:
 
 
 def fusion_barrier(tree, holds):
-  """`tree`, computed into buffers of its own: XLA cannot fuse its producers into its consumers.
+  """`tree`, computed into buffers of its own on a CPU backend: XLA cannot fuse its producers into its consumers.
 
   holds: a bool scalar that is true at run time but not foldable at compile time (e.g. `all(lengths >= 0)`);
-  the tree passes through a `lax.cond` on it (the other branch gives zeros). Used where XLA:CPU would
-  otherwise recompute an expensive producer per element of a large consumer (an `optimization_barrier` does
-  not survive its pipeline; a conditional does)."""
-  return jax.lax.cond(holds, lambda t: t, lambda t: jax.tree.map(jnp.zeros_like, t), tree)
+  on CPU the tree passes through a `lax.cond` on it (the other branch gives zeros). Used where XLA:CPU would
+  otherwise recompute an expensive producer per element of a large consumer (an `optimization_barrier` does not
+  survive its pipeline; a conditional does). Other platforms get the tree as is (`lax.platform_dependent`,
+  resolved when lowering): a GPU conditional copies its predicate to the host and waits for it."""
+  return jax.lax.platform_dependent(tree, holds, cpu=lambda t, h: jax.lax.cond(h, lambda x: x, _zeros, t),
+                                    default=lambda t, h: t)
+
+
+def _zeros(tree):
+  return jax.tree.map(jnp.zeros_like, tree)
 
 
 class Ready:

@@ -129,3 +129,22 @@ def test_peer_bench_end_to_end(tmp_path):
                f"**{par['total']}/{par['total']} equal**"):
     assert text in md, text
   assert plot.stat().st_size > 10_000
+  # --merge: two runs as one report (here the run and a copy of it relabelled as another batch size)
+  other = json.loads(json.dumps(result))
+  for cell in other["cells"]:
+    cell["batch"] += 100
+  other["meta"]["command"] = "python -m experiments.peer_bench (the other run)"
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  merged_out = tmp_path / "merged"
+  proc = subprocess.run([sys.executable, "-m", "experiments.peer_bench", "--config=configs/peer_bench.py:test",
+                         f"--merge={tmp_path / 'peer_test.json'},{tmp_path / 'other.json'}",
+                         f"--config.out={merged_out}", "--config.plot="], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ), timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  merged = json.loads((tmp_path / "merged.json").read_text())
+  want = sorted([(x["context"], x["batch"]) for x in result["cells"] + other["cells"]])
+  assert [(x["context"], x["batch"]) for x in merged["cells"]] == want
+  assert [r["command"] for r in merged["meta"]["merged_runs"]] == [meta["command"], other["meta"]["command"]]
+  assert len(merged["targets"]) == 6 and merged["scaling"] == other["scaling"]
+  md = (tmp_path / "merged.md").read_text()
+  assert md.startswith("Merged from 2 runs") and "(the other run)" in md and "## Decode tok/s" in md

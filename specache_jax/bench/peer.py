@@ -498,6 +498,37 @@ def run(config, log: Callable[[str], None] = print, progress: Callable[[dict], N
   return result
 
 
+def merge(results: list[dict], targets_config) -> dict:
+  """Several runs' results as one (e.g. a grid split so that one process never holds every method's cache at
+  the largest cell): cells sorted by (context, batch), a later run's cell replacing an earlier one's; the first
+  run's machine limits and parity; the scaling curve of the last run that has one; targets recomputed.
+  meta["merged_runs"] records each run's command, cells, limits and load, for the report."""
+  if not results:
+    raise ValueError("merge needs at least one result")
+  meta = dict(results[0]["meta"])
+  meta["methods"], meta["peers"] = {}, {}
+  cells, runs = {}, []
+  for r in results:
+    m = r["meta"]
+    meta["methods"].update(m["methods"])
+    meta["peers"].update(m["peers"])
+    done = [c for c in r["cells"] if "methods" in c]
+    for c in done:
+      cells[(c["context"], c["batch"])] = c
+    runs.append({"command": m.get("command", ""), "cells": [f"{c['context']}/B{c['batch']}" for c in done],
+                 "limits": m["limits"], "machine_start": m.get("machine_start", {}),
+                 "machine_end": m.get("machine_end", {}), "seconds": m.get("seconds")})
+  meta["merged_runs"] = runs
+  meta["seconds"] = sum(r["seconds"] or 0 for r in runs)
+  meta["machine_end"] = results[-1]["meta"].get("machine_end", {})
+  merged = {"meta": meta, "parity": results[0]["parity"], "cells": [cells[k] for k in sorted(cells)]}
+  curves = [r["scaling"] for r in results if r.get("scaling")]
+  if curves:
+    merged["scaling"] = curves[-1]
+  merged["targets"] = targets(merged, targets_config)
+  return merged
+
+
 # ---------------------------------------------------------------------------------------- targets and report
 def targets(result: dict, t) -> list[dict]:
   """Issue 10's "done when" rules, checked on this run's medians (None where a cell is missing)."""

@@ -23,8 +23,19 @@ def markdown(result: dict, plot_name: str = "") -> str:
   bw, mm = lim["read_bandwidth"], lim["matmul"]
   labels = list(meta["methods"]) + list(meta["peers"])
   ref = meta["reference"]
-  lines = [f"`{meta.get('command', '')}`", "", "# Ours vs HF transformers on the same model, prompts and contexts "
-           "(one interleaved run)", "",
+  runs = meta.get("merged_runs")
+  if runs:
+    lines = [f"Merged from {len(runs)} runs (each cell is one run's; within a cell every method is interleaved):", ""]
+    for r in runs:
+      lines += [f"- `{r['command']}`", f"  cells {', '.join(r['cells']) or 'none'}; read bandwidth "
+                f"{r['limits']['read_bandwidth']['best_Bps'] / 1e9:.1f} GB/s; load average at start "
+                f"{r['machine_start'].get('load_average_1_5_15')}, at end {r['machine_end'].get('load_average_1_5_15')}"]
+    lines += ["", "# Ours vs HF transformers on the same model, prompts and contexts (interleaved within each cell)",
+              "", "- machine limits and parity below: the first run's"]
+  else:
+    lines = [f"`{meta.get('command', '')}`", "", "# Ours vs HF transformers on the same model, prompts and contexts "
+             "(one interleaved run)", ""]
+  lines += [
            f"- model: {meta['model']} = {meta['model_source']} ({meta['dtype']}); the peer: transformers {meta['versions']['transformers']}"
            f" + torch {meta['versions']['torch']} (optimum-quanto {meta['versions']['optimum-quanto']}) on "
            f"{meta['hf_device']}, attention `{meta['hf_attn']}`, weights `{meta['hf_weights']}`",
