@@ -259,13 +259,6 @@ def part_model(model) -> dict:
   return out
 
 
-def _chunked_rows(fn, x_BTD, chunk: int):
-  """fn over row chunks of x [B, T, D] (T a multiple of chunk), one chunk at a time: bounded activations."""
-  b, t, d = x_BTD.shape
-  x_CBtD = jnp.moveaxis(x_BTD.reshape(b, t // chunk, chunk, d), 1, 0)
-  return jnp.moveaxis(jax.lax.map(fn, x_CBtD), 0, 1).reshape(b, t, -1)
-
-
 def part_memory(model) -> dict:
   """Compile only: the whole-model prefill's temporary buffers (XLA's memory analysis), old vs new."""
   cfg, params = model.config, model.params
@@ -298,8 +291,8 @@ def part_layer(model) -> dict:
                           2 * t * cfg.n_heads * h * d),
       "mlp_norm+mlp": (lambda x: swiglu_mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp), (x,),
                        2 * t * 3 * d * cfg.ffn_dim),
-      "mlp_norm+mlp, rows in chunks of 2048 (lax.map)": (lambda x: _chunked_rows(
-          lambda c: swiglu_mlp(rms_norm(c, lp["mlp_norm"], cfg.norm_eps), lp), x, min(t, 2048)), (x,),
+      "mlp_norm+mlp, rows in chunks of 2048 (lax.map)": (lambda x: decoder.in_row_chunks(
+          lambda c: swiglu_mlp(rms_norm(c, lp["mlp_norm"], cfg.norm_eps), lp), x, chunk=2048), (x,),
           2 * t * 3 * d * cfg.ffn_dim),
       "whole layer": (lambda x: decoder.layer_forward(cfg, None, lp, x, lengths, None, "prefill", rope)[0], (x,),
                       2 * t * layer_weight_params(cfg) + attention_flops(cfg, t)),

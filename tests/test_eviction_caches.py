@@ -164,7 +164,8 @@ def test_h2o_prefill_through_the_decoder_keeps_the_top_colsum_positions():
   _, cache, _ = forward(params, cfg, toks, init_cache(method, cfg, 1, 32, jnp.float32), method, "prefill")
   lp0 = jax.tree.map(lambda x: x[0], params["layers"])
   lengths = jnp.asarray([19])
-  q, k, v = decoder.attention_inputs(cfg, lp0, decoder.embed(params, toks), decoder.rope_for(cfg, "prefill", lengths, toks.shape[1]))
+  rope = decoder.rope_for(cfg, "prefill", lengths, toks.shape[1])
+  q, k, v = decoder.attention_inputs(cfg, lp0, decoder.embed(params, toks), rope)
   _, colsum = A.prefill_attention(q, k, v, lengths, cfg.head_dim ** -0.5, want_colsum=True)
   for kh in range(cfg.n_kv_heads):
     want = _ref_h2o_prefill(np.asarray(colsum[0, kh]), 19, 8, 3)
