@@ -225,7 +225,8 @@ def prefill_cache(params, tokens_BT, lengths_B, *, cfg: ModelConfig, method: Cac
 
 
 def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
-  """Turn summed counters into rates: exact speculative-token hit rate and the mean top-k hit rate."""
+  """Turn summed counters into rates: exact speculative-token hit rate, the mean top-k hit rate, and the share
+  of (layer, KV head) fetches made on the critical path (sync_fetch_rate)."""
   res = {}
   steps = float(stats.get("spec_token_steps", 0.0))
   if steps:
@@ -235,4 +236,8 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
     count = np.asarray(stats["topk_count"])
     res["topk_hit_rate"] = float(np.sum(hits) / max(float(np.sum(count)), 1.0))
     res["topk_hit_rate_per_layer"] = [float(x) for x in hits / np.maximum(count, 1.0)]
+  if "sync_fetch_heads" in stats and "sync_fetch_count" in stats:   # SpeCache fetches on the critical path
+    heads, count = np.asarray(stats["sync_fetch_heads"]), np.asarray(stats["sync_fetch_count"])
+    res["sync_fetch_rate"] = float(np.sum(heads) / max(float(np.sum(count)), 1.0))
+    res["sync_fetch_rate_per_layer"] = [float(x) for x in heads / np.maximum(count, 1.0)]
   return res

@@ -179,12 +179,15 @@ class OffloadRuntime:
     """One decoding step over all layers; returns (x [B, W, D], next pending fetches).
 
     miss_B (numpy bool [B]): rows whose speculative token was wrong; with exact_on_miss they get the real
-    row's own top-k fetched synchronously instead of the prefetched rows."""
+    row's own top-k fetched synchronously instead of the prefetched rows. With drift every layer picks its
+    drifted heads on the device (`specache.corrected_heads`) and waits for the fetch of the κ that results
+    (the prefetched rows for the other heads are fetched again: not yet restricted to the drifted heads)."""
     method, kw = self.method, dict(cfg=self.cfg, method=self.method)
     self._step_index += 1
     if method.exact_on_miss and method.speculative and miss_B is not None:
       self.states = list(_observe(tuple(self.states), jnp.asarray(miss_B), method=method))
-    sync = sc.fetches_on_critical_path(method) and (not method.speculative or bool(np.any(miss_B)))
+    sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
+                                                    or bool(np.any(miss_B)))
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, phase="decode")
     nxt_pending = []
     for l, lp in enumerate(self.layer_params):

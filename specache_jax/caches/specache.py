@@ -49,6 +49,15 @@ class SpeCacheConfig(CacheConfig):
   exact_on_miss: bool = False   # project extension: when the speculative token was wrong, fetch the real
                                 # token's own top-k synchronously before attention (an "exact" fetch)
   attention_impl: str = "jnp"   # jnp | pallas | pallas_interpret (pallas_kernels/mixed_decode_attention)
+  # Robust speculation (project extensions, each off by default and composable; the faithful method is the default):
+  skip_ring: bool = False       # κ candidates exclude positions the attend that uses κ reads in 16-bit anyway (ring)
+  hedge: int = 0                # of the k rows of κ_{t+1}, this many are the real row's top-k, the rest the
+                                # speculative row's (same bytes moved; jnp attention only)
+  hedge_shift: int = 0          # the real row's picks are the positions this far after its top ones (1: where
+                                # copying heads look next)
+  drift: float = 0.0            # > 0: per layer, a KV head whose real query moved more than this (1 - cosine,
+                                # mean over its query heads) from the speculative query that chose κ_t gets the
+                                # real row's own low-bit top-k instead, fetched on the critical path
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -65,6 +74,20 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"host_store={self.host_store!r} must be one of {HOST_STORES}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+    check_int("hedge", self.hedge, 0)
+    check_int("hedge_shift", self.hedge_shift, 0)
+    if self.hedge > self.topk:
+      raise ConfigError(f"hedge={self.hedge} must be at most topk={self.topk} (it is a share of the k rows)")
+    if self.hedge_shift and not self.hedge:
+      raise ConfigError(f"hedge_shift={self.hedge_shift} needs hedge > 0 (it moves the real row's picks)")
+    if self.hedge and self.attention_impl != "jnp":
+      raise ConfigError(f"hedge={self.hedge} needs attention_impl='jnp' (the Pallas kernel returns only the "
+                        f"speculative row's probabilities), got {self.attention_impl!r}")
+    if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not 0.0 <= self.drift <= 2.0:
+      raise ConfigError(f"drift={self.drift!r} must be a number in [0, 2] (a cosine distance; 0 = off)")
+    if (self.hedge or self.drift) and not self.speculative:
+      raise ConfigError(f"hedge={self.hedge} / drift={self.drift} refine speculative selection; they need "
+                        "speculative=True")
 
   @property
   def impl(self):
@@ -117,6 +140,7 @@ class State:
   new_k: jax.Array         # [B, K, 1, H] the real row stored by the last call (the runtime copies it to host)
   new_v: jax.Array         # [B, K, 1, H]
   miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
+  spec_q: jax.Array        # [B, K, G, H] float32 the query that chose κ (drift > 0; else [B, K, G, 0])
 
 
 def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
@@ -129,7 +153,8 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       kappa=jnp.zeros((batch, k, x), jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
       new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype),
-      miss=jnp.zeros((batch,), bool))
+      miss=jnp.zeros((batch,), bool),
+      spec_q=jnp.zeros((batch, k, model_cfg.n_heads // k, h if method.drift else 0), jnp.float32))
   return stack_layers(model_cfg.n_layers, st)
 
 
@@ -160,12 +185,34 @@ def _fetch(method: SpeCacheConfig, st: State, kappa_BKX) -> State:
   return st.replace(kappa=kappa_BKX) if method.offload else fetch_simulated(st, kappa_BKX)
 
 
-def select(method: SpeCacheConfig, probs_BKS, n_candidates_B):
-  """κ = top-k positions of the group-averaged probabilities among positions < n_candidates."""
-  s = probs_BKS.shape[-1]
-  ok = jnp.arange(s)[None, None, :] < n_candidates_B[:, None, None]
-  scores = jnp.where(ok, probs_BKS, -1.0)
-  return top_k_indices(scores, method.topk)
+def candidates(method: SpeCacheConfig, n_B):
+  """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
+  those below the ring's 16-bit keys (`lowbit.boundaries`' key_qlen), which that attend never reads from κ."""
+  return lowbit.boundaries(n_B, method.residual)[0] if method.skip_ring else n_B
+
+
+def select(method: SpeCacheConfig, probs_BKS, n_B):
+  """κ for an attend after n_B stored tokens: top-k positions of the group-averaged probabilities among the
+  `candidates`."""
+  return top_k_indices(_candidate_scores(method, probs_BKS, n_B), method.topk)
+
+
+def _candidate_scores(method: SpeCacheConfig, probs_BKS, n_B):
+  ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
+  return jnp.where(ok, probs_BKS, -1.0)
+
+
+def select_hedged(method: SpeCacheConfig, real_BKS, spec_BKS, n_B):
+  """κ_{t+1} with `hedge` of its k rows from the real row's probabilities (moved `hedge_shift` positions
+  forward) and the rest from the speculative row's, never the same position twice. [B, K, X] int32."""
+  s = real_BKS.shape[-1]
+  shift = method.hedge_shift
+  moved = jnp.pad(real_BKS, ((0, 0), (0, 0), (shift, 0)), constant_values=-1.0)[..., :s] if shift else real_BKS
+  from_real = top_k_indices(_candidate_scores(method, moved, n_B), method.hedge)
+  spec = _candidate_scores(method, spec_BKS, n_B)
+  spec = jax.vmap(jax.vmap(lambda p, i: p.at[i].set(-2.0)))(spec, from_real)    # below every candidate
+  from_spec = top_k_indices(spec, method.topk - method.hedge)
+  return jnp.concatenate([from_real, from_spec], axis=-1)
 
 
 # Slots per block of `top_k_indices` in `select`; None = one lax.top_k. Measured on XLA:CPU
@@ -200,10 +247,11 @@ def _membership(pos_BKY, set_BKX):
 
 
 def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
-                    ring=None):
+                    ring=None, rows: tuple[int, ...] = (-1,)):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
-  low-bit) and the new rows. Returns out [B,T,N,H] and the LAST row's probabilities per position averaged
-  over each group, [B, K, S] float32 (the new rows' columns land at positions n .. n+T-1).
+  low-bit) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
+  probabilities per position averaged over each group, [B, K, len(rows), S] float32 (the new rows' columns land
+  at positions n .. n+T-1). The Pallas kernel gives the last row's only.
 
   ring: (ring_k, ring_v) as they were before this step's row was stored (`attend` stores first, so the big
   buffers are written in place; the codes it wrote are at positions this attention masks); default st's."""
@@ -236,9 +284,11 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
         q, [low, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
         sm_scale, n_kv)
-    last = lambda p: jnp.mean(p[:, :, :, -1, :], axis=2)                  # [B, K, cols]
-    probs_low, probs_extra = last(p_low), jnp.concatenate([last(p_ring), last(p_kap), last(p_new)], -1)
+    of_rows = lambda p: jnp.mean(p[:, :, :, list(rows), :], axis=2)       # [B, K, rows, cols]
+    probs_low, probs_extra = of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
   else:
+    if tuple(rows) != (-1,):
+      raise ValueError(f"{rows=}: the Pallas kernel returns the last row's probabilities only")
     extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
                                kn_BKTH.astype(q.dtype)], axis=2)
     extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
@@ -248,12 +298,14 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
         q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
         val_qlen, jnp.where(kap_use, kappa, -1), extra_k, extra_v, extra_mask, bits=method.bits,
         group_size=method.group_size, sm_scale=sm_scale, interpret=method.attention_impl == "pallas_interpret")
+    probs_low, probs_extra = probs_low[:, :, None], probs_extra[:, :, None]
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
   idx = jnp.where(extra_ok, extra_pos, s)                                   # invalid -> dropped slot s
-  probs = jnp.concatenate([probs_low, jnp.zeros((b, n_kv, 1), jnp.float32)], -1)
-  probs = jax.vmap(jax.vmap(lambda p, i, v: p.at[i].add(v)))(probs, idx, probs_extra)[:, :, :s]
+  probs = jnp.concatenate([probs_low, jnp.zeros(probs_low.shape[:3] + (1,), jnp.float32)], -1)
+  add = jax.vmap(lambda p, i, v: p.at[i].add(v), in_axes=(0, None, 0))         # the rows of one (b, k)
+  probs = jax.vmap(jax.vmap(add))(probs, idx, probs_extra)[..., :s]
   return out, probs
 
 
@@ -286,32 +338,76 @@ def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
 
 def fetches_on_critical_path(method: SpeCacheConfig) -> bool:
   """Whether a step may choose (and so fetch) its own κ_t before attention: the non-speculative ablation
-  always, exact_on_miss for the rows whose speculative token was wrong."""
-  return (not method.speculative) or method.exact_on_miss
+  always; exact_on_miss for the rows whose speculative token was wrong; drift for the heads that drifted."""
+  return (not method.speculative) or method.exact_on_miss or method.drift > 0
+
+
+def query_drift(st: State, q):
+  """[B, K] float32: 1 - cosine between the real row's query (row 0 of q [B,T,N,H]) and the speculative query
+  that chose κ_t (`st.spec_q`, same position, so RoPE does not change it), averaged over each KV head's group."""
+  n_kv = st.kappa.shape[1]
+  real = A.split_heads(q[:, :1], n_kv)[:, 0].astype(jnp.float32)           # [B, K, G, H]
+  spec = st.spec_q
+  cos = jnp.sum(real * spec, -1) / jnp.maximum(jnp.linalg.norm(real, axis=-1) * jnp.linalg.norm(spec, axis=-1),
+                                               jnp.finfo(jnp.float32).tiny)
+  return 1.0 - jnp.mean(cos, axis=-1)
+
+
+def corrected_heads(method: SpeCacheConfig, st: State, q):
+  """[B, K] bool: the KV heads whose κ_t is chosen now from the real row (non-speculative: all; exact_on_miss:
+  every head of a row whose speculative token missed; drift: the heads whose query drifted past it)."""
+  b, n_kv = st.kappa.shape[:2]
+  if not method.speculative:
+    return jnp.ones((b, n_kv), bool)
+  use = jnp.zeros((b, n_kv), bool)
+  if method.exact_on_miss:
+    use = use | st.miss[:, None]
+  if method.drift:
+    use = use | (query_drift(st, q) > method.drift)
+  return use
 
 
 def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
-  """κ_t for this step's attention, chosen now from the real row (step 1 of a SpeCache step).
-
-  Non-speculative: the real row's own low-bit top-k. exact_on_miss: that, for the rows whose speculative
-  token missed (`st.miss`), else the prefetched κ_t. Only called when `fetches_on_critical_path(method)`."""
+  """κ_t for this step's attention, chosen now from the real row (step 1 of a SpeCache step): the real row's own
+  low-bit top-k for the `corrected_heads`, the prefetched κ_t for the others. Only called when
+  `fetches_on_critical_path(method)`."""
   real = choose_nonspeculative(method, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths, ring)
-  if not method.speculative:
-    return real
-  return jnp.where(st.miss[:, None, None], real, st.kappa)
+  return jnp.where(corrected_heads(method, st, q)[..., None], real, st.kappa)
+
+
+def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
+  """κ_{t+1} from this step's probabilities (rows: the real row first when hedging, the speculative row last);
+  candidates 0..n (T_t included)."""
+  if method.hedge:
+    return select_hedged(method, probs_BKRS[:, :, 0], probs_BKRS[:, :, -1], lengths + 1)
+  return select(method, probs_BKRS[:, :, -1], lengths + 1)
 
 
 def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring):
   """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row already
   stored (`ring`: the ring before it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
-  κ_{t+1} from the speculative row (recorded in `st.kappa`; fetched by the caller). -> (out [B,T,N,H], st, aux)"""
+  κ_{t+1} from the speculative row (recorded in `st.kappa`; fetched by the caller). -> (out [B,T,N,H], st, aux)
+
+  aux: sync_fetch_heads [B], the fraction of KV heads whose κ_t was fetched on the critical path, with its
+  counter sync_fetch_count (methods that may fetch so), and the top-k hit counters with track_hits."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)            # [B, K, T, H]
-  aux = {"exact_fetches": st.miss.astype(jnp.float32)} if method.exact_on_miss and method.speculative else {}
+  aux = {}
+  if fetches_on_critical_path(method):
+    aux["sync_fetch_heads"] = jnp.mean(corrected_heads(method, st, q).astype(jnp.float32), axis=1)
+    aux["sync_fetch_count"] = jnp.ones(lengths.shape, jnp.float32)
   aux.update(_hit_stats(method, st, q, lengths, st.kappa))
-  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring)
+  rows = (0, -1) if method.hedge else (-1,)
+  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring, rows=rows)
   if method.speculative:
-    st = st.replace(kappa=select(method, probs, lengths + 1))              # candidates 0..n (T_t included)
+    st = _with_spec_query(method, st.replace(kappa=_next_kappa(method, probs, lengths)), q)
   return out, st, aux
+
+
+def _with_spec_query(method: SpeCacheConfig, st: State, q):
+  """Record the query that chose κ (the last row of q: the speculative row, or T1 in pre-decoding) for drift."""
+  if not method.drift:
+    return st
+  return st.replace(spec_q=A.split_heads(q[:, -1:], st.kappa.shape[1])[:, 0].astype(jnp.float32))
 
 
 def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -341,14 +437,15 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False, ring=ring)
-  return select(method, probs, lengths)
+  return select(method, probs[:, :, -1], lengths)
 
 
 def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   """T1 over the low-bit copy (+ the 16-bit ring and its own row); picks κ_1 and fetches it; stores nothing."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
-  return out, _fetch(method, st, select(method, probs, lengths)), {}              # stored positions 0..L-1
+  st = _with_spec_query(method, st, q)                                     # T1 is step 1's real row: no drift
+  return out, _fetch(method, st, select(method, probs[:, :, -1], lengths)), {}    # stored positions 0..L-1
 
 
 def device_bytes(method, st: State) -> int:

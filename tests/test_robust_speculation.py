@@ -1,0 +1,152 @@
+"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift): exact with k >= n, offloaded =
+simulated, what each selects, how often drift fetches on the critical path."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from specache_jax.caches import lowbit
+from specache_jax.caches import specache as sc
+from specache_jax.decode import init_cache
+from specache_jax.model.decoder import forward_jit as forward
+from tests.tiny import random_prompts, tiny_model
+
+BASE = dict(bits=1, group_size=8, residual=8)
+OPTIONS = {
+    "skip_ring": dict(skip_ring=True),
+    "hedge": dict(hedge=2),
+    "hedge_shift": dict(hedge=2, hedge_shift=1),
+    "drift": dict(drift=0.05),
+    "all": dict(skip_ring=True, hedge=1, hedge_shift=1, drift=0.05, exact_on_miss=True),
+}
+
+
+def _model():
+  return tiny_model(seed=21, head_dim=16)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_topk_covering_the_context_equals_the_full_cache(name):
+  model = _model()
+  prompts = random_prompts(5, [20, 31], model.config.vocab_size)
+  full = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=())
+  got = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=(),
+                    cache=sj.cache_config("specache", topk=64, **BASE, **OPTIONS[name]))
+  np.testing.assert_array_equal(got.tokens, full.tokens)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_offloaded_gives_the_simulated_tokens(name):
+  model = _model()
+  prompts = random_prompts(11, [30, 44, 17], model.config.vocab_size)
+  kw = dict(BASE, topk=4, **OPTIONS[name])
+  sim = sj.generate(model, prompts, max_new_tokens=14, stop_tokens=(), cache=sj.cache_config("specache", **kw))
+  off = sj.generate(model, prompts, max_new_tokens=14, stop_tokens=(),
+                    cache=sj.cache_config("specache", offload=True, **kw))
+  np.testing.assert_array_equal(off.tokens, sim.tokens)
+
+
+def test_each_option_changes_what_is_attended_with_a_small_k():
+  model = _model()
+  prompts = random_prompts(12, [40, 33], model.config.vocab_size)
+  faithful = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                         cache=sj.cache_config("specache", topk=3, **BASE))
+  for name in ("hedge", "drift", "all"):
+    got = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                      cache=sj.cache_config("specache", topk=3, **BASE, **OPTIONS[name]))
+    assert not np.array_equal(got.tokens, faithful.tokens), name
+
+
+def _after_predecode(method, n_prompt=37, seed=3):
+  model = _model()
+  cfg, params = model.config, model.params
+  toks = jnp.asarray(random_prompts(seed, [n_prompt + 1], cfg.vocab_size))
+  cache = init_cache(method, cfg, 1, 64, jnp.float32)
+  _, cache, _ = forward(params, cfg, toks[:, :n_prompt], cache, method, "prefill")
+  _, cache, _ = forward(params, cfg, toks[:, n_prompt:n_prompt + 1], cache, method, "predecode")
+  return model, toks, cache
+
+
+def test_skip_ring_picks_only_positions_the_next_attend_reads_from_kappa():
+  method = sj.cache_config("specache", topk=5, skip_ring=True, **BASE)
+  model, toks, cache = _after_predecode(method)
+  key_qlen = int(lowbit.boundaries(jnp.asarray([37]), 8)[0][0])              # 32: the ring holds 32..36
+  assert int(np.asarray(cache.layers.kappa).max()) < key_qlen
+  for step in range(6):                                                     # across a ring flush (n = 40)
+    n = int(cache.lengths[0])
+    _, cache, _ = forward(model.params, model.config, jnp.asarray([[3 + step, 4]]), cache, method, "decode")
+    next_qlen = int(lowbit.boundaries(jnp.asarray([n + 1]), 8)[0][0])
+    assert int(np.asarray(cache.layers.kappa).max()) < next_qlen, (step, n)
+  faithful = sj.cache_config("specache", topk=5, **BASE)
+  _, _, plain = _after_predecode(faithful)
+  assert int(np.asarray(plain.layers.kappa).max()) >= key_qlen             # without it, ring slots are picked
+
+
+def test_select_hedged_takes_the_real_rows_top_then_the_speculative_rows_best_others():
+  method = sj.cache_config("specache", topk=6, hedge=2, **BASE)
+  shifted = sj.cache_config("specache", topk=6, hedge=2, hedge_shift=1, **BASE)
+  rng = np.random.default_rng(0)
+  real = jnp.asarray(rng.random((2, 3, 50)), jnp.float32)
+  spec = jnp.asarray(rng.random((2, 3, 50)), jnp.float32)
+  n = jnp.asarray([50, 21])
+  for m, shift in ((method, 0), (shifted, 1)):
+    kappa = np.asarray(sc.select_hedged(m, real, spec, n))
+    for b in range(2):
+      for k in range(3):
+        row = kappa[b, k]
+        nb = int(n[b])
+        assert len(set(row.tolist())) == 6 and row.max() < nb
+        moved = np.full(50, -1.0)
+        moved[shift:] = np.asarray(real[b, k, :50 - shift])
+        want_real = np.argsort(-np.where(np.arange(50) < nb, moved, -1.0), kind="stable")[:2]
+        assert set(row[:2].tolist()) == set(want_real.tolist())
+        rest = np.where((np.arange(50) < nb) & ~np.isin(np.arange(50), row[:2]), np.asarray(spec[b, k]), -1.0)
+        assert set(row[2:].tolist()) == set(np.argsort(-rest, kind="stable")[:4].tolist())
+
+
+def test_drift_is_zero_for_the_first_real_row_of_layer_0_and_its_threshold_sets_how_often_it_fires():
+  method = sj.cache_config("specache", topk=3, drift=0.05, **BASE)
+  model, toks, cache = _after_predecode(method)
+  cfg = model.config
+  # layer 0's query depends only on the token and its position: step 1's real row is T1, as in pre-decoding
+  from specache_jax.model import decoder as dec
+  lp0 = jax.tree.map(lambda x: x[0], model.params["layers"])
+  x = dec.embed(model.params, toks[:, 37:38])
+  rope = dec.rope_for(cfg, "decode", cache.lengths, 1)
+  q, _, _ = dec.attention_inputs(cfg, lp0, x, rope)
+  st0 = jax.tree.map(lambda a: a[0], cache.layers)
+  np.testing.assert_allclose(np.asarray(sc.query_drift(st0, q)), 0.0, atol=1e-5)
+  prompts = random_prompts(13, [40, 33], cfg.vocab_size)
+  rates = {}
+  for drift in (2.0, 0.9, 1e-7):          # the random tiny model: queries 0.6-1.1 apart
+    out, stats = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(), return_stats=True,
+                             cache=sj.cache_config("specache", topk=3, **dict(BASE, drift=drift)))
+    rates[drift] = stats["sync_fetch_rate"]
+    assert len(stats["sync_fetch_rate_per_layer"]) == cfg.n_layers
+  assert rates[2.0] == 0.0 and rates[1e-7] > 0.9 and 0.0 < rates[0.9] < rates[1e-7], rates
+  plain = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                      cache=sj.cache_config("specache", topk=3, **BASE))
+  never = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
+                      cache=sj.cache_config("specache", topk=3, **dict(BASE, drift=2.0)))
+  np.testing.assert_array_equal(never.tokens, plain.tokens)                 # never fires: the faithful method
+
+
+def test_default_state_carries_no_speculative_query():
+  cfg = _model().config
+  faithful = sj.cache_config("specache", topk=3, **BASE)
+  st = jax.eval_shape(lambda: faithful.impl.init(faithful, cfg, 2, 64, jnp.float32))
+  assert st.spec_q.shape[-1] == 0
+  drifting = sj.cache_config("specache", topk=3, drift=0.1, **BASE)
+  st = jax.eval_shape(lambda: drifting.impl.init(drifting, cfg, 2, 64, jnp.float32))
+  assert st.spec_q.shape[1:] == (2, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(hedge=5, topk=4), "hedge=5 must be at most topk=4"), (dict(hedge=-1), "hedge=-1"),
+    (dict(hedge_shift=1), "needs hedge > 0"), (dict(hedge=1, attention_impl="pallas_interpret"), "needs attention_impl"),
+    (dict(drift=3.0), "drift=3.0"), (dict(drift="x"), "drift='x'"), (dict(drift=0.1, speculative=False), "speculative=True"),
+    (dict(hedge=1, speculative=False), "speculative=True")])
+def test_bad_robust_speculation_settings(settings, match):
+  with pytest.raises(ValueError, match=match):
+    sj.cache_config("specache", **settings)
