@@ -236,6 +236,18 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
     count = np.asarray(stats["topk_count"])
     res["topk_hit_rate"] = float(np.sum(hits) / max(float(np.sum(count)), 1.0))
     res["topk_hit_rate_per_layer"] = [float(x) for x in hits / np.maximum(count, 1.0)]
+    misses = np.asarray(stats.get("miss_count", np.zeros_like(count)))
+    for key in ("topk_hits", "unfetched_mass", "drift"):        # split by the speculative token's hit/miss
+      if key not in stats:
+        continue
+      name = "topk_hit_rate" if key == "topk_hits" else key
+      total, on_miss = np.asarray(stats[key]), np.asarray(stats[f"{key}_on_miss"])
+      res[f"{name}_per_layer"] = [float(x) for x in total / np.maximum(count, 1.0)]
+      res[f"{name}_on_miss_per_layer"] = [float(x) for x in on_miss / np.maximum(misses, 1.0)]
+      res[f"{name}_on_hit_per_layer"] = [float(x) for x in (total - on_miss) / np.maximum(count - misses, 1.0)]
+      res[f"{name}_on_miss"] = float(np.sum(on_miss) / max(float(np.sum(misses)), 1.0))
+      res[f"{name}_on_hit"] = float(np.sum(total - on_miss) / max(float(np.sum(count - misses)), 1.0))
+      res[name] = float(np.sum(total) / max(float(np.sum(count)), 1.0))
   if "sync_fetch_heads" in stats and "sync_fetch_count" in stats:   # SpeCache fetches on the critical path
     heads, count = np.asarray(stats["sync_fetch_heads"]), np.asarray(stats["sync_fetch_count"])
     res["sync_fetch_rate"] = float(np.sum(heads) / max(float(np.sum(count)), 1.0))

@@ -131,13 +131,24 @@ def test_perplexity_end_to_end_and_rerun_reuses_cells(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------------- hit rate
 def test_hitrate_end_to_end(tiny, tmp_path):
-  cfg = _cfg(hitrate_cfg, tmp_path)
+  cfg = _cfg(hitrate_cfg, tmp_path, run_methods="specache_1bit,specache_1bit_drift")
   res = hitrate.run(cfg, model=tiny, log=lambda *_: None)
   for label in cfg.run_methods.split(","):
     rec = res.records[label]
     assert 0.0 <= rec["exact_hit_rate"] <= 1.0 and 0.0 <= rec["topk_hit_rate"] <= 1.0
     assert len(rec["topk_hit_rate_per_layer"]) == tiny.config.n_layers
     assert rec["tokens"] == cfg.num_prompts * cfg.max_new_tokens        # no stop token: full length
+    for key in ("topk_hit_rate", "unfetched_mass", "drift"):            # the miss anatomy, split hit / miss
+      assert len(rec[f"{key}_on_miss_per_layer"]) == tiny.config.n_layers
+      assert 0.0 <= rec[f"{key}_on_hit"] <= 2.0 and 0.0 <= rec[f"{key}_on_miss"] <= 2.0
+    # the overall mean is the hit and miss means weighted by their step counts
+    misses = 1.0 - rec["exact_hit_rate"]
+    assert rec["unfetched_mass"] == pytest.approx(
+        rec["unfetched_mass_on_hit"] * (1 - misses) + rec["unfetched_mass_on_miss"] * misses, abs=0.05)
+  assert "sync_fetch_rate" not in res.records["specache_1bit"]
+  assert 0.0 < res.records["specache_1bit_drift"]["sync_fetch_rate"] <= 1.0
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| specache_1bit_drift |" in summary and "unfetched mass (after hit / miss)" in summary
   assert (tmp_path / "hitrate.png").stat().st_size > 0
   cfg.run_methods = "full"
   with pytest.raises(ValueError, match="hit rates are SpeCache's"):

@@ -140,7 +140,7 @@ class State:
   new_k: jax.Array         # [B, K, 1, H] the real row stored by the last call (the runtime copies it to host)
   new_v: jax.Array         # [B, K, 1, H]
   miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
-  spec_q: jax.Array        # [B, K, G, H] float32 the query that chose κ (drift > 0; else [B, K, G, 0])
+  spec_q: jax.Array        # [B, K, G, H] float32 the query that chose κ (drift, track_hits; else [B, K, G, 0])
 
 
 def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
@@ -154,8 +154,13 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
       new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype),
       miss=jnp.zeros((batch,), bool),
-      spec_q=jnp.zeros((batch, k, model_cfg.n_heads // k, h if method.drift else 0), jnp.float32))
+      spec_q=jnp.zeros((batch, k, model_cfg.n_heads // k, h if _keeps_spec_query(method) else 0), jnp.float32))
   return stack_layers(model_cfg.n_layers, st)
+
+
+def _keeps_spec_query(method: SpeCacheConfig) -> bool:
+  """drift needs the query that chose κ; track_hits (simulated) reports its drift."""
+  return bool(method.drift) or (method.track_hits and not method.offload and method.speculative)
 
 
 def prefill(method: SpeCacheConfig, st: State, k, v, lengths, colsum=None) -> State:
@@ -320,7 +325,14 @@ def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
 
 
 def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
-  """Top-k hit rate of κ vs the real row's exact top-k over the 16-bit keys (simulated mode only)."""
+  """With track_hits (simulated mode only): how well κ_t served the real row, from its exact attention over the
+  16-bit keys (group-averaged probabilities p over the stored positions). Per row [B], averaged over KV heads:
+
+    topk_hits        |κ_t ∩ exact top-k| / min(k, n)
+    unfetched_mass   Σ p over the positions this attend read low-bit (below the ring's 16-bit keys, not in κ_t)
+    drift            1 - cos(real query, the speculative query that chose κ_t) (`query_drift`)
+  each also as *_on_miss (times `st.miss`: steps whose speculative token was wrong), with the counters
+  topk_count (1 per row-step) and miss_count."""
   if not method.track_hits or method.offload:
     return {}
   b, _, n_heads, h = q.shape
@@ -328,12 +340,24 @@ def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
   q0 = A.split_heads(q[:, :1], n_kv)                                       # [B, 1, K, G, H]
   s = st.k16.shape[2]
   mask = jnp.broadcast_to(A.valid_cols_mask(lengths, s, 1), (b, n_kv, 1, s))
-  p = jax.nn.softmax(A.segment_logits(q0, st.k16, mask, h ** -0.5), axis=-1)
-  exact = select(method, jnp.mean(p[:, :, :, 0, :], axis=2), lengths)         # [B, K, X]
+  p = jnp.mean(jax.nn.softmax(A.segment_logits(q0, st.k16, mask, h ** -0.5), axis=-1)[:, :, :, 0, :], axis=2)
+  exact = select(method, p, lengths)                                       # [B, K, X]
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(_membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
-  return {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1), "topk_count": jnp.ones((b,))}
+  key_qlen, _ = lowbit.boundaries(lengths, method.residual)
+  fetched = jax.vmap(jax.vmap(lambda i: jnp.zeros((s + 1,), bool).at[i].set(True)))(
+      jnp.where(valid & (kappa_used >= 0), kappa_used, s))[..., :s]         # [B, K, S]
+  low = (jnp.arange(s)[None, None, :] < key_qlen[:, None, None]) & ~fetched
+  stats = {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1),
+           "unfetched_mass": jnp.mean(jnp.sum(jnp.where(low, p, 0.0), axis=-1), axis=1)}
+  if method.speculative:
+    spec_q = st.spec_q if st.spec_q.shape[-1] else None
+    if spec_q is not None:
+      stats["drift"] = jnp.mean(query_drift(st, q), axis=1)
+  miss = st.miss.astype(jnp.float32)
+  stats.update({f"{k}_on_miss": v * miss for k, v in list(stats.items())})
+  return dict(stats, topk_count=jnp.ones((b,)), miss_count=miss)
 
 
 def fetches_on_critical_path(method: SpeCacheConfig) -> bool:
@@ -405,7 +429,7 @@ def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, 
 
 def _with_spec_query(method: SpeCacheConfig, st: State, q):
   """Record the query that chose κ (the last row of q: the speculative row, or T1 in pre-decoding) for drift."""
-  if not method.drift:
+  if not _keeps_spec_query(method):
     return st
   return st.replace(spec_q=A.split_heads(q[:, -1:], st.kappa.shape[1])[:, 0].astype(jnp.float32))
 
@@ -427,8 +451,9 @@ def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
 
 
 def observe_speculation(method: SpeCacheConfig, st: State, miss_B) -> State:
-  """Decode-loop hook: record, before the next step, which rows' speculative token was wrong."""
-  if not method.exact_on_miss:
+  """Decode-loop hook: record, before the next step, which rows' speculative token was wrong (exact_on_miss
+  acts on it; track_hits splits its statistics by it)."""
+  if not (method.exact_on_miss or method.track_hits):
     return st
   return st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
 

@@ -1,8 +1,11 @@
-"""Hit rates of SpeCache's speculation over a long generation, per layer.
+"""Hit rates of SpeCache's speculation over a long generation, per layer, and the anatomy of its misses.
 
 - exact-token hit rate: how often the speculative token T'_{t+1} equals the real next token T_{t+1};
 - top-k hit rate: |κ_t ∩ exact top-k of the real token's 16-bit attention| / k, per layer (SpeCache's
-  `track_hits=True` computes the exact top-k alongside, in simulated mode).
+  `track_hits=True` computes the exact top-k alongside, in simulated mode);
+- unfetched mass: the real token's exact attention on the positions the step read in low bits only;
+- query drift: 1 - cosine between the real query and the speculative query that chose κ_t;
+each split by whether the speculative token that chose κ_t was right (hit) or wrong (miss), per layer.
 Prompts are windows of a long text; generation is greedy with no stop token, so every row decodes
 `max_new_tokens` tokens. One cell per method; a restarted run skips finished methods.
 """
@@ -58,6 +61,11 @@ def run(config, model=None, command: str = "python -m experiments.hitrate --conf
   return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
+def _pair(r, key, fmt="{:.3f}"):
+  hit, miss = r.get(f"{key}_on_hit"), r.get(f"{key}_on_miss")
+  return "–" if hit is None else f"{fmt.format(hit)} / {fmt.format(miss)}"
+
+
 def write_outputs(config, store, labels, command, seconds) -> str:
   out_dir = pathlib.Path(config.output_dir)
   recs = [store.cells[label] for label in labels if label in store.cells]
@@ -65,27 +73,41 @@ def write_outputs(config, store, labels, command, seconds) -> str:
   for r in recs:
     per_layer = r.get("topk_hit_rate_per_layer", [])
     rows.append([r["method"], f"{r['exact_hit_rate']:.3f}", f"{r['topk_hit_rate']:.3f}",
-                 f"{min(per_layer):.3f}" if per_layer else "–", f"{max(per_layer):.3f}" if per_layer else "–",
-                 r["tokens"], f"{r['seconds']:.0f}"])
+                 f"{min(per_layer):.3f}" if per_layer else "–", _pair(r, "topk_hit_rate"),
+                 _pair(r, "unfetched_mass"), _pair(r, "drift"),
+                 f"{r['sync_fetch_rate']:.3f}" if "sync_fetch_rate" in r else "0", r["tokens"], f"{r['seconds']:.0f}"])
   table = report.md_table(["method", "exact-token hit", "top-k hit (mean)", "top-k hit (worst layer)",
-                           "top-k hit (best layer)", "decoded tokens", "seconds"], rows)
+                           "top-k hit (after hit / miss)", "unfetched mass (after hit / miss)",
+                           "query drift (after hit / miss)", "sync fetches", "decoded tokens", "seconds"], rows)
   notes = [f"Model `{config.model}`; {config.num_prompts} prompt(s) of {config.context_tokens} tokens of "
            f"`{config.corpus}`; {config.max_new_tokens} greedy tokens each (no stop token).",
            "Exact-token hit: the speculative token equals the real next token. Top-k hit: the share of the "
            "real token's exact top-k positions (16-bit attention, averaged over each GQA group) that the "
            "speculative fetch set κ contained, averaged over steps, rows, KV heads (per layer in hitrate.png).",
+           "Unfetched mass: the real token's exact attention on the positions its step read low-bit only (below "
+           "the 16-bit ring, not in κ). Query drift: 1 - cosine between the real query and the speculative "
+           "query that chose κ (same position). 'after hit / miss': steps whose κ was chosen by a right / "
+           "wrong speculative token. Sync fetches: the share of (layer, KV head) fetches made on the critical "
+           "path (exact_on_miss, drift, non-speculative).",
            f"Wall time of this invocation: {seconds:.0f} s."]
-  atomic_write_text(out_dir / "summary.md", report.header("SpeCache hit rates", command, notes) + "\n" + table
-                    + "\n")
+  atomic_write_text(out_dir / "summary.md", report.header("SpeCache hit rates and misses", command, notes) + "\n"
+                    + table + "\n")
   plt = report.pyplot()
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for r in recs:
-    per_layer = r.get("topk_hit_rate_per_layer", [])
-    ax.plot(range(len(per_layer)), per_layer, marker="o", ms=3, label=f"{r['method']} (top-k)")
-  ax.set_xlabel("layer")
-  ax.set_ylabel("top-k hit rate")
-  ax.set_ylim(0, 1.02)
-  ax.legend()
+  panels = (("topk_hit_rate", "top-k hit rate"), ("unfetched_mass", "unfetched attention mass"),
+            ("drift", "query drift (1 - cos)"))
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for ax, (key, title) in zip(axes, panels):
+    for i, r in enumerate(recs):
+      color = f"C{i}"
+      for part, style in (("on_hit", "-"), ("on_miss", "--")):
+        ys = r.get(f"{key}_{part}_per_layer", [])
+        if ys:
+          ax.plot(range(len(ys)), ys, style, color=color, marker="o", ms=2,
+                  label=f"{r['method']} ({part.replace('on_', 'after ')})")
+    ax.set_xlabel("layer")
+    ax.set_title(title)
+  axes[0].set_ylim(0, 1.02)
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out_dir / "hitrate.png", dpi=120)
   plt.close(fig)

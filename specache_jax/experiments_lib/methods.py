@@ -100,3 +100,18 @@ def standard() -> dict[str, dict[str, Any]]:
       "streaming": dict(name="streaming", match="specache_1bit"),              # sinks + window, same bytes
       "h2o": dict(name="h2o", match="specache_1bit"),                          # heavy hitters, same bytes
   }
+
+
+def robust() -> dict[str, dict[str, Any]]:
+  """SpeCache 1-bit (the paper's settings) with each robust-speculation option (caches/specache.py), the
+  critical-path references (exact_on_miss, non-speculative) and a combination, keyed by label."""
+  base = standard()["specache_1bit"]
+  return {
+      "specache_1bit_eom": dict(base, exact_on_miss=True),                      # refetch after a wrong token
+      "specache_1bit_nonspec": dict(base, speculative=False),                   # κ_t from T_t, always on the path
+      "specache_1bit_skipring": dict(base, skip_ring=True),
+      "specache_1bit_hedge16": dict(base, hedge=16),                             # 16 of 64 rows from the real row
+      "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
+      "specache_1bit_drift": dict(base, drift=0.3),
+      "specache_1bit_robust": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.3),
+  }
