@@ -1,6 +1,6 @@
 """The host-memory 16-bit KV store, its asynchronous top-k row fetch, and the up-front memory plan.
 
-Two stores behind one interface (`write_prompt`, `append`, `fetch`):
+Two stores behind one interface (`write_prompt`, `write_block`, `fetch`):
   PinnedHostStore  per-layer K/V arrays with `memory_kind="pinned_host"` shardings. Writes and the κ gather run
                    as host computations (`compute_on("device_host")`) on those arrays, and only the gathered
                    block [B, K, X, H] moves to the device with `jax.device_put` — nothing on the device ever
@@ -8,6 +8,9 @@ Two stores behind one interface (`write_prompt`, `append`, `fetch`):
                    is ready.
   NumpyHostStore   the default ("auto"): numpy arrays in host RAM; writes and gathers run in one background thread (FIFO,
                    so an append is always visible to a later gather) and the block is `jax.device_put` from it.
+Decoded rows reach the host a ring flush at a time (`write_block`, called by the runtime when a row's
+residual ring fills, every R steps: its R rows at once), not a row per step: an attend reads a κ row from the
+host only below the ring's 16-bit keys (key_qlen), and those rows are exactly the flushed ones.
 Axis letters as in caches/attention.py; X = k rows fetched per KV head.
 """
 from __future__ import annotations
@@ -160,6 +163,20 @@ def _host_write(buf_BKSH, rows_BKTH, start_B):
   return _on_host(_write_rows_each, buf_BKSH, rows_BKTH, start_B)
 
 
+def _write_rows_where(buf_BKSH, rows_BKTH, start_B, write_B):
+  """Rows of batch entries with write_B at start_B (the others rewrite what they hold: same shapes every call)."""
+  for b in range(buf_BKSH.shape[0]):
+    at = (b, 0, start_B[b], 0)
+    held = jax.lax.dynamic_slice(buf_BKSH, at, (1,) + rows_BKTH.shape[1:])
+    buf_BKSH = jax.lax.dynamic_update_slice(buf_BKSH, jnp.where(write_B[b], rows_BKTH[b:b + 1], held), at)
+  return buf_BKSH
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _host_write_where(buf_BKSH, rows_BKTH, start_B, write_B):
+  return _on_host(_write_rows_where, buf_BKSH, rows_BKTH, start_B, write_B)
+
+
 @jax.jit
 def _host_gather(buf_BKSH, idx_BKX):
   return _on_host(jax.vmap(jax.vmap(lambda b, i: b[i])), buf_BKSH, idx_BKX)       # [B, K, X, H]
@@ -189,10 +206,14 @@ class PinnedHostStore:
     self.k[layer] = _host_write(self.k[layer], self._put_host(_to_BKTH(k_BTKH)), start)
     self.v[layer] = _host_write(self.v[layer], self._put_host(_to_BKTH(v_BTKH)), start)
 
-  def append(self, layer, k_BK1H, v_BK1H, lengths_B):
-    start = self._put_host(lengths_B)
-    self.k[layer] = _host_write(self.k[layer], self._put_host(k_BK1H), start)
-    self.v[layer] = _host_write(self.v[layer], self._put_host(v_BK1H), start)
+  def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
+    """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
+    write = np.zeros(len(start_B), bool)
+    write[np.asarray(rows, int)] = True
+    start = self._put_host(np.where(write, start_B, 0).astype(np.int32))
+    write = self._put_host(write)
+    self.k[layer] = _host_write_where(self.k[layer], self._put_host(k_BKTH), start, write)
+    self.v[layer] = _host_write_where(self.v[layer], self._put_host(v_BKTH), start, write)
 
   def fetch(self, layer, kappa_BKX):
     idx = self._put_host(kappa_BKX)
@@ -231,12 +252,14 @@ class NumpyHostStore:
       self.v[layer][:, :, :v.shape[2]] = v
     self._pool.submit(job)
 
-  def append(self, layer, k_BK1H, v_BK1H, lengths_B):
+  def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
+    """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
     def job():
-      k, v, pos = np.asarray(k_BK1H), np.asarray(v_BK1H), np.asarray(lengths_B)
-      for b, p in enumerate(pos):
-        self.k[layer][b, :, p] = k[b, :, 0]
-        self.v[layer][b, :, p] = v[b, :, 0]
+      k, v = np.asarray(k_BKTH), np.asarray(v_BKTH)
+      for b in rows:
+        t = k.shape[2]
+        self.k[layer][b, :, start_B[b]:start_B[b] + t] = k[b]
+        self.v[layer][b, :, start_B[b]:start_B[b] + t] = v[b]
     self._pool.submit(job)
 
   def fetch(self, layer, kappa_BKX):

@@ -6,7 +6,8 @@ Step t, layer l (all calls return at once under JAX's asynchronous dispatch; not
      it synchronously (the fetch on the critical path);
   2. run the layer (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends with
      the fetched rows, stores the real row on the device side and records κ_{t+1});
-  3. append the real row's 16-bit K/V to the host store;
+  3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
+     at once (the host only ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows);
   4. issue the gather of κ_{t+1} rows on the host and their `jax.device_put` — before layer l+1 is dispatched,
      so the transfer runs while layers l+1.. of step t compute.
 The SpeCache step itself is written once, in caches/specache.py; here only the fetches differ (host store
@@ -189,6 +190,8 @@ class OffloadRuntime:
     sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
                                                     or bool(np.any(miss_B)))
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, phase="decode")
+    stored = np.asarray(lengths_B) + 1                                     # rows stored after this step
+    flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
     for l, lp in enumerate(self.layer_params):
       st, rows = self.states[l], None
@@ -201,7 +204,8 @@ class OffloadRuntime:
         st, rows = _with_kappa_rows(st, kappa, self.store.fetch(l, kappa).result(), method=method), None
       x, st, _ = _layer(lp, x, lengths_B, rope, st, rows, phase="decode", layout=self.layout, **kw)
       self.states[l] = st
-      self.store.append(l, st.new_k, st.new_v, lengths_B)
+      if flushed.size:                                                   # rings just filled: R rows each
+        self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
       if method.speculative:
         nxt_pending.append(self.store.fetch(l, st.kappa))                 # κ_{t+1}: overlaps layers l+1..
     self._guard(self._step_index, "decode", x)

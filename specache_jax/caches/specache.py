@@ -10,7 +10,8 @@ Decoding step t (per layer), input rows [T_t, T'_{t+1}] at positions n, n+1 (n =
 
 Simulated mode (`offload=False`): `k16/v16` are device arrays that attention reads ONLY through the gather at
 κ (`fetch_simulated`). Offloaded mode (`offload=True`): they are absent ([B,K,0,H]); the runtime keeps them in
-host memory, reads `kappa`, `new_k/new_v` from the state and writes `fetched_k/fetched_v` back.
+host memory, reads `kappa` (and, when a ring fills, the ring's R rows) from the state and writes
+`fetched_k/fetched_v` back.
 Axis letters as in caches/attention.py; X = k fetched rows.
 """
 from __future__ import annotations
@@ -137,8 +138,6 @@ class State:
   kappa: jax.Array         # [B, K, X] int32 positions to use in 16-bit at the next attend
   fetched_k: jax.Array     # [B, K, X, H] the 16-bit rows at kappa (device)
   fetched_v: jax.Array     # [B, K, X, H]
-  new_k: jax.Array         # [B, K, 1, H] the real row stored by the last call (the runtime copies it to host)
-  new_v: jax.Array         # [B, K, 1, H]
   miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
   spec_q: jax.Array        # [B, K, G, H] float32 the query that chose κ (drift, track_hits; else [B, K, G, 0])
 
@@ -152,7 +151,6 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       k16=jnp.zeros(host, dtype), v16=jnp.zeros(host, dtype),
       kappa=jnp.zeros((batch, k, x), jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
-      new_k=jnp.zeros((batch, k, 1, h), dtype), new_v=jnp.zeros((batch, k, 1, h), dtype),
       miss=jnp.zeros((batch,), bool),
       spec_q=jnp.zeros((batch, k, model_cfg.n_heads // k, h if _keeps_spec_query(method) else 0), jnp.float32))
   return stack_layers(model_cfg.n_layers, st)
@@ -316,8 +314,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
 
 def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
   """Append the real row: quantized/residual on the device, 16-bit to the (simulated) host."""
-  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **method.qargs),
-                  new_k=k_BKH[:, :, None].astype(st.new_k.dtype), new_v=v_BKH[:, :, None].astype(st.new_v.dtype))
+  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **method.qargs))
   if not method.offload:
     st = st.replace(k16=A.write_rows(st.k16, k_BKH[:, :, None], lengths),
                     v16=A.write_rows(st.v16, v_BKH[:, :, None], lengths))
