@@ -243,11 +243,11 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
       name = "topk_hit_rate" if key == "topk_hits" else key
       total, on_miss = np.asarray(stats[key]), np.asarray(stats[f"{key}_on_miss"])
       res[f"{name}_per_layer"] = [float(x) for x in total / np.maximum(count, 1.0)]
-      res[f"{name}_on_miss_per_layer"] = [float(x) for x in on_miss / np.maximum(misses, 1.0)]
-      res[f"{name}_on_hit_per_layer"] = [float(x) for x in (total - on_miss) / np.maximum(count - misses, 1.0)]
-      res[f"{name}_on_miss"] = float(np.sum(on_miss) / max(float(np.sum(misses)), 1.0))
-      res[f"{name}_on_hit"] = float(np.sum(total - on_miss) / max(float(np.sum(count - misses)), 1.0))
       res[name] = float(np.sum(total) / max(float(np.sum(count)), 1.0))
+      for part, value, n in (("on_miss", on_miss, misses), ("on_hit", total - on_miss, count - misses)):
+        if np.sum(n) > 0:                                       # no such steps (e.g. non-speculative): no entry
+          res[f"{name}_{part}_per_layer"] = [float(x) for x in value / np.maximum(n, 1.0)]
+          res[f"{name}_{part}"] = float(np.sum(value) / float(np.sum(n)))
   if "sync_fetch_heads" in stats and "sync_fetch_count" in stats:   # SpeCache fetches on the critical path
     heads, count = np.asarray(stats["sync_fetch_heads"]), np.asarray(stats["sync_fetch_count"])
     res["sync_fetch_rate"] = float(np.sum(heads) / max(float(np.sum(count)), 1.0))

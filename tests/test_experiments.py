@@ -131,9 +131,13 @@ def test_perplexity_end_to_end_and_rerun_reuses_cells(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------------- hit rate
 def test_hitrate_end_to_end(tiny, tmp_path):
-  cfg = _cfg(hitrate_cfg, tmp_path, run_methods="specache_1bit,specache_1bit_drift")
+  cfg = _cfg(hitrate_cfg, tmp_path, run_methods="specache_1bit,specache_1bit_drift,specache_1bit_nonspec")
   res = hitrate.run(cfg, model=tiny, log=lambda *_: None)
-  for label in cfg.run_methods.split(","):
+  nonspec = res.records["specache_1bit_nonspec"]             # no speculative row: no token hit rate, no drift
+  assert "exact_hit_rate" not in nonspec and nonspec["sync_fetch_rate"] == 1.0
+  assert "topk_hit_rate_on_miss" not in nonspec                 # no step after a miss: no entry, not a 0
+  assert "| specache_1bit_nonspec | – |" in (tmp_path / "summary.md").read_text()
+  for label in ("specache_1bit", "specache_1bit_drift"):
     rec = res.records[label]
     assert 0.0 <= rec["exact_hit_rate"] <= 1.0 and 0.0 <= rec["topk_hit_rate"] <= 1.0
     assert len(rec["topk_hit_rate_per_layer"]) == tiny.config.n_layers

@@ -61,9 +61,9 @@ def run(config, model=None, command: str = "python -m experiments.hitrate --conf
   return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
-def _pair(r, key, fmt="{:.3f}"):
-  hit, miss = r.get(f"{key}_on_hit"), r.get(f"{key}_on_miss")
-  return "–" if hit is None else f"{fmt.format(hit)} / {fmt.format(miss)}"
+def _pair(r, key):
+  show = lambda x: "–" if x is None else f"{x:.3f}"
+  return f"{show(r.get(f'{key}_on_hit'))} / {show(r.get(f'{key}_on_miss'))}"
 
 
 def write_outputs(config, store, labels, command, seconds) -> str:
@@ -72,7 +72,8 @@ def write_outputs(config, store, labels, command, seconds) -> str:
   rows = []
   for r in recs:
     per_layer = r.get("topk_hit_rate_per_layer", [])
-    rows.append([r["method"], f"{r['exact_hit_rate']:.3f}", f"{r['topk_hit_rate']:.3f}",
+    exact = r.get("exact_hit_rate")                                 # none without a speculative row
+    rows.append([r["method"], "–" if exact is None else f"{exact:.3f}", f"{r['topk_hit_rate']:.3f}",
                  f"{min(per_layer):.3f}" if per_layer else "–", _pair(r, "topk_hit_rate"),
                  _pair(r, "unfetched_mass"), _pair(r, "drift"),
                  f"{r['sync_fetch_rate']:.3f}" if "sync_fetch_rate" in r else "0", r["tokens"], f"{r['seconds']:.0f}"])

@@ -112,6 +112,7 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_skipring": dict(base, skip_ring=True),
       "specache_1bit_hedge16": dict(base, hedge=16),                             # 16 of 64 rows from the real row
       "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
-      "specache_1bit_drift": dict(base, drift=0.3),
-      "specache_1bit_robust": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.3),
+      "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
+      "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
+      "specache_1bit_robust": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
   }
