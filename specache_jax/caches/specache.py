@@ -287,7 +287,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
         q, [low, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
         sm_scale, n_kv)
-    of_rows = lambda p: jnp.mean(p[:, :, :, list(rows), :], axis=2)       # [B, K, rows, cols]
+    of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
     probs_low, probs_extra = of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
   else:
     if tuple(rows) != (-1,):
