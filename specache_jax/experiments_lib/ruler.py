@@ -17,6 +17,7 @@ import math
 import pathlib
 import time
 
+import jax
 import numpy as np
 
 from specache_jax import decode
@@ -112,7 +113,15 @@ def run(config, model=None, command: str = "python -m experiments.ruler --config
   base_fp = (config.model, config.dtype, config.seed, GENERATOR_VERSION)
   computed = skipped = 0
   groups = [(label, n, task) for label in labels for n in lengths for task in tasks]
+  previous = None
   for label, n, task in report.progress(groups, desc="ruler"):
+    if label != previous:
+      # Each XLA:CPU executable keeps its JIT code in memory mappings of its own; a whole sweep's programs
+      # (one per method and generation budget, 30 unrolled layers each) passed Linux's vm.max_map_count after
+      # ~4 methods and the next compilation failed ("LLVM compilation error: Cannot allocate memory"). A
+      # method's programs are not used again once the next method starts.
+      jax.clear_caches()
+      previous = label
     budget = gen_budget(config, task)
     fp = fingerprint(base_fp, task, budget, dict(methods.settings_fingerprint_parts(config, label)))
     todo = [i for i in range(config.samples) if not store.done(cell_id(label, task, n, i), fp)]
