@@ -25,10 +25,10 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.answer_keywords = "sandwich,Dolores Park"   # comma-separated; an answer is checked for them (any case)
   c.match = "all"                   # "all": every keyword must appear; "any": one is enough
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
-  # label -> cache settings (experiments_lib/methods.py:standard), plus the project's exact_on_miss extension
-  # (on a speculation miss, fetch the real token's own top-k synchronously; off in the paper's method).
-  c.methods = dict(methods.standard(),
-                   specache_1bit_eom=dict(methods.standard()["specache_1bit"], exact_on_miss=True))
+  # label -> cache settings (experiments_lib/methods.py): the paper's methods and SpeCache 1-bit's
+  # robust-speculation variants, e.g. exact_on_miss (on a speculation miss, fetch the real token's own top-k
+  # synchronously; off in the paper's method), skip_ring, hedge, drift (run them with --config.run_methods).
+  c.methods = dict(methods.standard(), **methods.robust())
   # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit and 2-bit (g64, R64,
   # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss.
   c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom"

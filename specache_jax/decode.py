@@ -232,10 +232,7 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
   if steps:
     res["exact_hit_rate"] = float(stats["spec_token_hits"]) / steps
   if "topk_hits" in stats and "topk_count" in stats:
-    hits = np.asarray(stats["topk_hits"])
     count = np.asarray(stats["topk_count"])
-    res["topk_hit_rate"] = float(np.sum(hits) / max(float(np.sum(count)), 1.0))
-    res["topk_hit_rate_per_layer"] = [float(x) for x in hits / np.maximum(count, 1.0)]
     misses = np.asarray(stats.get("miss_count", np.zeros_like(count)))
     for key in ("topk_hits", "unfetched_mass", "drift"):        # split by the speculative token's hit/miss
       if key not in stats:
@@ -245,7 +242,7 @@ def summarize_stats(stats: dict[str, Any]) -> dict[str, float]:
       res[f"{name}_per_layer"] = [float(x) for x in total / np.maximum(count, 1.0)]
       res[name] = float(np.sum(total) / max(float(np.sum(count)), 1.0))
       for part, value, n in (("on_miss", on_miss, misses), ("on_hit", total - on_miss, count - misses)):
-        if np.sum(n) > 0:                                       # no such steps (e.g. non-speculative): no entry
+        if steps and np.sum(n) > 0:            # no such steps, or no speculative token at all: no entry
           res[f"{name}_{part}_per_layer"] = [float(x) for x in value / np.maximum(n, 1.0)]
           res[f"{name}_{part}"] = float(np.sum(value) / float(np.sum(n)))
   if "sync_fetch_heads" in stats and "sync_fetch_count" in stats:   # SpeCache fetches on the critical path

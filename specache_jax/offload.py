@@ -6,11 +6,14 @@ Two stores behind one interface (`write_prompt`, `write_block`, `fetch`):
                    block [B, K, X, H] moves to the device with `jax.device_put` — nothing on the device ever
                    indexes a host array. Every call is dispatched asynchronously: `fetch` returns before its data
                    is ready.
-  NumpyHostStore   the default ("auto"): numpy arrays in host RAM; writes and gathers run in one background thread (FIFO,
-                   so an append is always visible to a later gather) and the block is `jax.device_put` from it.
+  NumpyHostStore   the default ("auto"): numpy arrays in host RAM; writes and gathers run in one background thread
+                   (FIFO, so a written block is always visible to a later gather) and the block is
+                   `jax.device_put` from it.
 Decoded rows reach the host a ring flush at a time (`write_block`, called by the runtime when a row's
 residual ring fills, every R steps: its R rows at once), not a row per step: an attend reads a κ row from the
-host only below the ring's 16-bit keys (key_qlen), and those rows are exactly the flushed ones.
+host only below the ring's 16-bit keys (key_qlen), and those rows are exactly the flushed ones. A flush moves
+the whole [B, K, R, H] ring of that layer (every batch row's, written only for the rows that filled): one row per
+step and batch row on average when the rows' lengths agree mod R, up to B times that when they are ragged.
 Axis letters as in caches/attention.py; X = k rows fetched per KV head.
 """
 from __future__ import annotations
@@ -271,11 +274,13 @@ class NumpyHostStore:
     return self._pool.submit(job)
 
   def arrays(self):
+    """The K/V arrays after every write queued so far (waits for the worker)."""
+    self._pool.submit(lambda: None).result()
     return self.k + self.v
 
   @property
   def nbytes(self) -> int:
-    return int(sum(a.nbytes for a in self.arrays()))
+    return int(sum(a.nbytes for a in self.k + self.v))
 
   def close(self):
     self._pool.shutdown(wait=True)
@@ -316,8 +321,7 @@ class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
 
 
 def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None):
-  """The host store of `kind` (auto: pinned_host where the device has that memory, else numpy), laid out on
-  `mesh` when given."""
+  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given."""
   device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
   kind = resolve_store_kind(kind)
   if mesh is not None:

@@ -1,9 +1,10 @@
 """The offloaded SpeCache runtime: per-layer dispatch that overlaps the κ fetch with compute.
 
 Step t, layer l (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
-  1. κ_t: take layer l's rows fetched during step t-1 (double buffer: `pending[l]`), or — non-speculative, or
-     exact_on_miss after a wrong guess — choose κ_t from the real row now (`specache.kappa_for_step`) and fetch
-     it synchronously (the fetch on the critical path);
+  1. κ_t: take layer l's rows fetched during step t-1 (double buffer: `pending[l]`), or — non-speculative,
+     exact_on_miss after a wrong guess, or drift (every layer: which heads drifted is known on the device only)
+     — choose κ_t from the real row now (`specache.kappa_for_step`) and fetch it synchronously (the fetch on
+     the critical path);
   2. run the layer (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends with
      the fetched rows, stores the real row on the device side and records κ_{t+1});
   3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
@@ -128,6 +129,7 @@ class OffloadRuntime:
     self.layer_params = dec.unstack_layers(params["layers"], cfg.n_layers)
     self.store = None
     self.states = None
+    self._stored = None          # numpy [B]: rows stored per batch row, counted on the host (no device sync)
     self.timings = Timings()
     self._step_index = 0
 
@@ -156,6 +158,7 @@ class OffloadRuntime:
   def prefill(self, tokens_BT, lengths_B):
     self._init()
     self._step_index = 0
+    self._stored = np.asarray(lengths_B).astype(np.int64)
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
     x, rope = _embed(self.params, tokens_BT, lengths_B, cfg=self.cfg, phase="prefill")
     for l, lp in enumerate(self.layer_params):
@@ -177,7 +180,8 @@ class OffloadRuntime:
     return x, pending
 
   def step(self, inp_BW, lengths_B, pending, miss_B=None):
-    """One decoding step over all layers; returns (x [B, W, D], next pending fetches).
+    """One decoding step over all layers; returns (x [B, W, D], next pending fetches). lengths_B: the rows
+    stored before this step (may stay on the device: which rings fill is counted on the host from prefill's).
 
     miss_B (numpy bool [B]): rows whose speculative token was wrong; with exact_on_miss they get the real
     row's own top-k fetched synchronously instead of the prefetched rows. With drift every layer picks its
@@ -190,7 +194,7 @@ class OffloadRuntime:
     sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
                                                     or bool(np.any(miss_B)))
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, phase="decode")
-    stored = np.asarray(lengths_B) + 1                                     # rows stored after this step
+    stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
     for l, lp in enumerate(self.layer_params):
@@ -208,6 +212,7 @@ class OffloadRuntime:
         self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
       if method.speculative:
         nxt_pending.append(self.store.fetch(l, st.kappa))                 # κ_{t+1}: overlaps layers l+1..
+    self._stored = stored
     self._guard(self._step_index, "decode", x)
     return x, nxt_pending
 

@@ -123,11 +123,16 @@ def test_transfer_formula_matches_the_state_shapes(model):
     assert f["h2d"] == 2 * spec["topk"] * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers * 2
     assert throughput.fetched_bytes(cache.layers) == f["h2d"] and f["d2h"] == 0
     off = sj.cache_config(**spec, offload=True)
-    drv = throughput.RuntimeDriver(model, off, 2, max_len, 112)
-    carry = drv.step(drv.prefill(tokens, lengths))
+    r = spec["residual"]
+    drv = throughput.RuntimeDriver(model, off, 2, states.cell_slots(112, r + 1), 112)
+    carry = drv.prefill(tokens, lengths)
+    written, write_block = [], drv.rt.store.write_block
+    drv.rt.store.write_block = lambda l, k, v, *a: (written.append(k.nbytes + v.nbytes), write_block(l, k, v, *a))
+    for _ in range(r):                                                      # one ring fill per layer
+      carry = drv.step(carry)
     fo = throughput.transfer_formula(cfg, off, 2, params["embed"].dtype)
     assert throughput.fetched_bytes(drv.rt.states) == fo["h2d"] == f["h2d"]
-    assert fo["d2h"] == 2 * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers * 2   # a row per step on average
+    assert len(written) == cfg.n_layers and sum(written) == fo["d2h"] * r    # a row per step on average
     assert carry[0].shape == (2, 2)
   assert throughput.transfer_formula(cfg, sj.cache_config("full"), 2, jnp.float32) == {"h2d": 0, "d2h": 0}
   assert throughput.transfer_formula(cfg, sj.cache_config(**dict(SMALL, topk=6)), 1, jnp.bfloat16)["h2d"] == \

@@ -1,4 +1,6 @@
 """The offloaded runtime: same tokens as the simulated path; host memory kinds; asynchrony; memory plan."""
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,7 @@ def test_ring_flush_block_writes_give_the_host_the_rows_per_row_writes_would(sto
   r = 8
   rt = OffloadRuntime(model.params, cfg, sj.cache_config("specache", bits=1, group_size=8, residual=r, topk=4,
                                                          offload=True, host_store=store), batch=3, max_len=96)
-  writes, per_row = [], np.zeros((cfg.n_layers, 3, cfg.n_kv_heads, 96, cfg.head_dim), np.float32)
+  writes, per_row = [], np.zeros((2, cfg.n_layers, 3, cfg.n_kv_heads, 96, cfg.head_dim), np.float32)
 
   def recording():
     write_block = rt.store.write_block
@@ -57,20 +59,21 @@ def test_ring_flush_block_writes_give_the_host_the_rows_per_row_writes_would(sto
     out = step(inp, lengths, *a)
     pos = np.asarray(lengths)
     for l, st in enumerate(rt.states):
-      ring = np.asarray(st.low.ring_k)                                     # [B, K, R, H]
-      for b, p in enumerate(pos):
-        per_row[l, b, :, p] = ring[b, :, p % r]
+      for kv, ring in enumerate((np.asarray(st.low.ring_k), np.asarray(st.low.ring_v))):   # [B, K, R, H]
+        for b, p in enumerate(pos):
+          per_row[kv, l, b, :, p] = ring[b, :, p % r]
     return out
   rt.step = step_and_record
   steps = 20
   rt.generate(toks, lens, steps, jax.random.key(0))
   stored = np.asarray(lens) + steps - 1
   key_qlen = np.asarray(lowbit.boundaries(jnp.asarray(stored), r)[0])
-  for l in range(cfg.n_layers):
-    host = np.asarray(rt.store.k[l])
+  arrays = rt.store.arrays()                                                # after the queued writes: K..., V...
+  for kv, l in itertools.product(range(2), range(cfg.n_layers)):
+    host = np.asarray(arrays[kv * cfg.n_layers + l])
     for b, n in enumerate(np.asarray(lens)):
       assert key_qlen[b] > n                                                # some decoded rows were flushed
-      np.testing.assert_array_equal(host[b, :, n:key_qlen[b]], per_row[l, b, :, n:key_qlen[b]])
+      np.testing.assert_array_equal(host[b, :, n:key_qlen[b]], per_row[kv, l, b, :, n:key_qlen[b]])
       unwritten = host[b, :, max(key_qlen[b], toks.shape[1]):stored[b]]    # past the padded prompt's rows
       assert not np.any(unwritten)                                          # not yet: still in the ring
   fills = sum(int(s // r - n // r) for s, n in zip(stored, np.asarray(lens)))

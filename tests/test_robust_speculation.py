@@ -9,6 +9,7 @@ import specache_jax as sj
 from specache_jax.caches import lowbit
 from specache_jax.caches import specache as sc
 from specache_jax.decode import init_cache
+from specache_jax.model import decoder as dec
 from specache_jax.model.decoder import forward_jit as forward
 from tests.tiny import random_prompts, tiny_model
 
@@ -47,7 +48,8 @@ def test_offloaded_gives_the_simulated_tokens(name):
   np.testing.assert_array_equal(off.tokens, sim.tokens)
 
 
-def test_each_option_changes_what_is_attended_with_a_small_k():
+def test_hedge_drift_and_their_combination_change_what_is_attended_with_a_small_k():
+  """(skip_ring has its own test below: it changes κ only across a ring flush.)"""
   model = _model()
   prompts = random_prompts(12, [40, 33], model.config.vocab_size)
   faithful = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
@@ -110,7 +112,6 @@ def test_drift_is_zero_for_the_first_real_row_of_layer_0_and_its_threshold_sets_
   model, toks, cache = _after_predecode(method)
   cfg = model.config
   # layer 0's query depends only on the token and its position: step 1's real row is T1, as in pre-decoding
-  from specache_jax.model import decoder as dec
   lp0 = jax.tree.map(lambda x: x[0], model.params["layers"])
   x = dec.embed(model.params, toks[:, 37:38])
   rope = dec.rope_for(cfg, "decode", cache.lengths, 1)
@@ -119,16 +120,16 @@ def test_drift_is_zero_for_the_first_real_row_of_layer_0_and_its_threshold_sets_
   np.testing.assert_allclose(np.asarray(sc.query_drift(st0, q)), 0.0, atol=1e-5)
   prompts = random_prompts(13, [40, 33], cfg.vocab_size)
   rates = {}
-  for drift in (2.0, 0.9, 1e-7):          # the random tiny model: queries 0.6-1.1 apart
+  for drift in (1.99, 0.9, 1e-7):         # the random tiny model: queries 0.6-1.1 apart
     out, stats = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(), return_stats=True,
                              cache=sj.cache_config("specache", topk=3, **dict(BASE, drift=drift)))
     rates[drift] = stats["sync_fetch_rate"]
     assert len(stats["sync_fetch_rate_per_layer"]) == cfg.n_layers
-  assert rates[2.0] == 0.0 and rates[1e-7] > 0.9 and 0.0 < rates[0.9] < rates[1e-7], rates
+  assert rates[1.99] == 0.0 and rates[1e-7] > 0.9 and 0.0 < rates[0.9] < rates[1e-7], rates
   plain = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                       cache=sj.cache_config("specache", topk=3, **BASE))
   never = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
-                      cache=sj.cache_config("specache", topk=3, **dict(BASE, drift=2.0)))
+                      cache=sj.cache_config("specache", topk=3, **dict(BASE, drift=1.99)))
   np.testing.assert_array_equal(never.tokens, plain.tokens)                 # never fires: the faithful method
 
 
@@ -145,8 +146,15 @@ def test_default_state_carries_no_speculative_query():
 @pytest.mark.parametrize("settings, match", [
     (dict(hedge=5, topk=4), "hedge=5 must be at most topk=4"), (dict(hedge=-1), "hedge=-1"),
     (dict(hedge_shift=1), "needs hedge > 0"), (dict(hedge=1, attention_impl="pallas_interpret"), "needs attention_impl"),
-    (dict(drift=3.0), "drift=3.0"), (dict(drift="x"), "drift='x'"), (dict(drift=0.1, speculative=False), "speculative=True"),
+    (dict(drift=3.0), "drift=3.0"), (dict(drift=2.0), "never fires"), (dict(drift="x"), "drift='x'"), (dict(drift=0.1, speculative=False), "speculative=True"),
     (dict(hedge=1, speculative=False), "speculative=True")])
 def test_bad_robust_speculation_settings(settings, match):
   with pytest.raises(ValueError, match=match):
     sj.cache_config("specache", **settings)
+
+
+def test_hedge_shift_past_the_cache_is_refused_for_its_length():
+  method = sj.cache_config("specache", topk=3, hedge=1, hedge_shift=64, **BASE)
+  method.validate(_model().config, 65)                                      # 72 slots (R = 8): fine
+  with pytest.raises(ValueError, match="hedge_shift=64 must be below the cache's 64 slots"):
+    method.validate(_model().config, 64)

@@ -120,7 +120,7 @@ def test_prefill_on_the_mesh_keeps_the_cache_sharded():
   toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
   cache = decode.prefill_cache(params, toks_d, lens_d, cfg=cfg, method=method, max_len=64, mesh=mesh)
   for leaf in jax.tree.leaves(cache.layers):
-    if leaf.size == 0:                    # holds nothing (SpeCache's spec_q without drift): XLA replicates it
+    if leaf.size == 0:                    # holds nothing (SpeCache's spec_q without drift/track_hits): XLA replicates it
       continue
     want = (None, "data", "model") if leaf.ndim >= 4 else (None, "data")    # [L, B, K, ...] or per row [L, B]
     assert leaf.sharding.spec[:len(want)] == want, leaf.sharding

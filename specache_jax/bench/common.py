@@ -53,7 +53,7 @@ class RuntimeDriver:
     return greedy_rows(self.params, x, cfg=self.cfg), lengths + 1, pending
 
   def sync(self, carry):
-    """What must be finished for the steps so far to count as done (incl. the issued fetches and appends)."""
+    """What must be finished for the steps so far to count as done (incl. the issued fetches and ring-flush writes)."""
     inp, lengths, pending = carry
     fetched = [p.result() for p in pending] if pending else []
     return inp, lengths, fetched, self.rt.states, self.rt.store.arrays()

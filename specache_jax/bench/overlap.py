@@ -2,7 +2,7 @@
 
 On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` decoding steps each:
   (a) compute alone: the same runtime step, every fetch answered by the rows the layer already holds on the
-      device (ready arrays, no host gather, no transfer) — host appends still run;
+      device (ready arrays, no host gather, no transfer) — ring-flush writes to the host still run;
   (b) fetch alone: all layers' host gathers + `device_put` of κ, issued together and blocked on;
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer's attention).
 fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). Also measured: the time the

@@ -47,7 +47,9 @@ unstack_params_jit = jax.jit(dec.unstack_params, static_argnums=(1,))
 
 def transfer_formula(cfg, method, batch: int, dtype) -> dict:
   """Bytes per decoding step: host->device 2·k·K·H·bytes·L·B (the κ rows of K and V, SpeCache) and
-  device->host 2·K·H·bytes·L·B (the real row appended to the host cache, offloaded only)."""
+  device->host 2·K·H·bytes·L·B (offloaded only: the real rows reach the host a ring of R at a time every R
+  steps, one row per step on average when the batch's lengths agree mod R; ragged rows flush at different
+  steps and each flush moves every row's ring, up to B times this)."""
   item = jnp.dtype(dtype).itemsize
   row = 2 * cfg.n_kv_heads * cfg.head_dim * item * cfg.n_layers * batch
   if method.name != "specache":

@@ -4,7 +4,9 @@ memory, top-k 16-bit rows per KV head fetched every step, picked by a speculativ
 Decoding step t (per layer), input rows [T_t, T'_{t+1}] at positions n, n+1 (n = tokens stored):
   columns: every stored position once — the fetched rows κ_t and the residual window in 16-bit, the rest
   low-bit — plus the two new rows (the real row cannot see the speculative one: causal order).
-  κ_{t+1} = top-k of the speculative row's probabilities averaged over each GQA group, candidates 0..n.
+  κ_{t+1} = top-k of the speculative row's probabilities averaged over each GQA group, candidates 0..n (the
+  robust options below change this: skip_ring drops the ring's positions, hedge takes some rows from the real
+  row's probabilities, drift replaces a drifted head's κ_t by the real row's own top-k).
   Only the real row's K/V is stored. Pre-decoding (`predecode`) runs T1 over the low-bit copy alone and
   picks κ_1. `speculative=False` is the ablation that picks κ_t from the real row's own low-bit attention.
 
@@ -84,8 +86,9 @@ class SpeCacheConfig(CacheConfig):
     if self.hedge and self.attention_impl != "jnp":
       raise ConfigError(f"hedge={self.hedge} needs attention_impl='jnp' (the Pallas kernel returns only the "
                         f"speculative row's probabilities), got {self.attention_impl!r}")
-    if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not 0.0 <= self.drift <= 2.0:
-      raise ConfigError(f"drift={self.drift!r} must be a number in [0, 2] (a cosine distance; 0 = off)")
+    if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not 0.0 <= self.drift < 2.0:
+      raise ConfigError(f"drift={self.drift!r} must be a number in [0, 2) (a cosine distance, at most 2: a "
+                        "threshold of 2 never fires; 0 = off)")
     if (self.hedge or self.drift) and not self.speculative:
       raise ConfigError(f"hedge={self.hedge} / drift={self.drift} refine speculative selection; they need "
                         "speculative=True")
@@ -116,6 +119,9 @@ class SpeCacheConfig(CacheConfig):
     if self.topk > self.slots(max_len):
       raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
                         f"max_len={max_len})")
+    if self.hedge_shift >= self.slots(max_len):
+      raise ConfigError(f"hedge_shift={self.hedge_shift} must be below the cache's {self.slots(max_len)} slots "
+                        f"(max_len={max_len}): every shifted pick would fall past the end")
 
   def observe_speculation(self, st, missed_B):
     return observe_speculation(self, st, missed_B)
@@ -338,7 +344,10 @@ def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
   s = st.k16.shape[2]
   mask = jnp.broadcast_to(A.valid_cols_mask(lengths, s, 1), (b, n_kv, 1, s))
   p = jnp.mean(jax.nn.softmax(A.segment_logits(q0, st.k16, mask, h ** -0.5), axis=-1)[:, :, :, 0, :], axis=2)
-  exact = select(method, p, lengths)                                       # [B, K, X]
+  # the target: the real row's exact top-k over every stored position, whatever the method's candidates
+  # (skip_ring's included); slots past a row's length only fill it when n < k and never match a valid κ entry
+  stored = jnp.arange(s)[None, None, :] < lengths[:, None, None]
+  exact = top_k_indices(jnp.where(stored, p, -1.0), method.topk)          # [B, K, X]
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(_membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
@@ -348,10 +357,8 @@ def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
   low = (jnp.arange(s)[None, None, :] < key_qlen[:, None, None]) & ~fetched
   stats = {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1),
            "unfetched_mass": jnp.mean(jnp.sum(jnp.where(low, p, 0.0), axis=-1), axis=1)}
-  if method.speculative:
-    spec_q = st.spec_q if st.spec_q.shape[-1] else None
-    if spec_q is not None:
-      stats["drift"] = jnp.mean(query_drift(st, q), axis=1)
+  if st.spec_q.shape[-1]:                                                  # kept: speculative
+    stats["drift"] = jnp.mean(query_drift(st, q), axis=1)
   miss = st.miss.astype(jnp.float32)
   stats.update({f"{k}_on_miss": v * miss for k, v in list(stats.items())})
   return dict(stats, topk_count=jnp.ones((b,)), miss_count=miss)
@@ -371,7 +378,7 @@ def query_drift(st: State, q):
   spec = st.spec_q
   cos = jnp.sum(real * spec, -1) / jnp.maximum(jnp.linalg.norm(real, axis=-1) * jnp.linalg.norm(spec, axis=-1),
                                                jnp.finfo(jnp.float32).tiny)
-  return 1.0 - jnp.mean(cos, axis=-1)
+  return jnp.maximum(1.0 - jnp.mean(cos, axis=-1), 0.0)                   # rounding: never below 0
 
 
 def corrected_heads(method: SpeCacheConfig, st: State, q):
@@ -398,7 +405,7 @@ def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, 
 
 def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
   """κ_{t+1} from this step's probabilities (rows: the real row first when hedging, the speculative row last);
-  candidates 0..n (T_t included)."""
+  candidates: `candidates(method, n + 1)` (0..n, T_t included; with skip_ring only those below the ring)."""
   if method.hedge:
     return select_hedged(method, probs_BKRS[:, :, 0], probs_BKRS[:, :, -1], lengths + 1)
   return select(method, probs_BKRS[:, :, -1], lengths + 1)
@@ -407,7 +414,8 @@ def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
 def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring):
   """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row already
   stored (`ring`: the ring before it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
-  κ_{t+1} from the speculative row (recorded in `st.kappa`; fetched by the caller). -> (out [B,T,N,H], st, aux)
+  κ_{t+1} (`_next_kappa`: the speculative row's top-k, part of it the real row's with hedge; recorded in
+  `st.kappa`, fetched by the caller). -> (out [B,T,N,H], st, aux)
 
   aux: sync_fetch_heads [B], the fraction of KV heads whose κ_t was fetched on the critical path, with its
   counter sync_fetch_count (methods that may fetch so), and the top-k hit counters with track_hits."""
@@ -466,7 +474,8 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   """T1 over the low-bit copy (+ the 16-bit ring and its own row); picks κ_1 and fetches it; stores nothing."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
-  st = _with_spec_query(method, st, q)                                     # T1 is step 1's real row: no drift
+  st = _with_spec_query(method, st, q)     # T1 is step 1's real row (the same query at layer 0; deeper layers
+                                           # differ by the low-bit-only attention of this pass)
   return out, _fetch(method, st, select(method, probs[:, :, -1], lengths)), {}    # stored positions 0..L-1
 
 
