@@ -32,7 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specache_jax import sharding
 from specache_jax.arrays import Ready, tree_nbytes
+from specache_jax.caches.attention import PrefillBlocks
 from specache_jax.caches.specache import HOST_STORES
+from specache_jax.model.decoder import ROW_CHUNK
 
 class MemoryPlanError(ValueError):
   """A run that cannot fit, with the numbers (needed vs available)."""
@@ -104,6 +106,26 @@ class MemoryPlan:
           f"available, or use host_store='numpy', which keeps the cache in pageable RAM)")
 
 
+def prefill_activation_bytes(model_cfg, batch: int, prompt_len: int, dtype,
+                             blocks: PrefillBlocks = PrefillBlocks()) -> int:
+  """Peak transient bytes of one prefill layer as it is computed (the largest phase; layers run one at a time):
+
+    every prompt row holds  x in and out, q, k, v (dtype) + float32 q, keys, values and attention output of
+                            the blockwise attention (caches/attention.prefill_attention);
+    one row piece           the SwiGLU's gate, up and product for ROW_CHUNK rows (decoder.in_row_chunks), f32;
+    one attention tile      logits, probabilities and mask of block_q·G rows x block_k keys per KV head, f32;
+  plus the last row's logits (f32, a few copies). An upper bound on what XLA:CPU allocates (checked against
+  its memory analysis in tests/test_offload.py); a GPU compilation fuses at least as much."""
+  c, item = model_cfg, jnp.dtype(dtype).itemsize
+  q_width, kv_width = c.n_heads * c.head_dim, 2 * c.n_kv_heads * c.head_dim
+  rows = batch * prompt_len
+  per_row = (2 * c.dim + q_width + kv_width) * item + (2 * q_width + kv_width) * 4
+  piece = min(rows, ROW_CHUNK) * 3 * c.ffn_dim * 4
+  tile = batch * c.n_kv_heads * min(prompt_len, blocks.block_q) * (c.n_heads // c.n_kv_heads) * \
+      min(prompt_len, blocks.block_k) * 4 * 3
+  return int(rows * per_row + piece + tile + batch * c.vocab_size * 4 * 4)
+
+
 def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
                 device=None, host_available: int | None = None, device_available: int | None = None,
                 platform: str | None = None, pinned_limit: int | None = None) -> MemoryPlan:
@@ -117,10 +139,7 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   cache_dev = nbytes(st)
   host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
       jnp.dtype(dtype).itemsize
-  chunk = min(prompt_len, 1024)
-  act = batch * (prompt_len * (4 * model_cfg.dim + 3 * model_cfg.ffn_dim) * jnp.dtype(dtype).itemsize
-                 + 2 * model_cfg.n_heads * chunk * prompt_len * 4 + prompt_len * model_cfg.vocab_size * 0)
-  act += batch * model_cfg.vocab_size * 4 * 4
+  act = prefill_activation_bytes(model_cfg, batch, prompt_len, dtype)
   store = resolve_store_kind(method.host_store)
   return MemoryPlan(
       device_bytes=nbytes(params) + cache_dev + int(act), host_bytes=int(host),

@@ -152,8 +152,8 @@ def test_runtime_rejects_a_non_offload_config():
 def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
   """Llama-3-8B (bf16) at 32k x batch 25 holds 100 GiB of 16-bit KV: on a GPU host with 128 GiB of RAM it fits
   pageable memory (numpy store) but not XLA's 64 GiB pinned pool (pinned_host store): refused up front, with
-  the numbers, before anything is allocated (params are shapes only). Host side only (device_available=None:
-  the one-shot prefill's activations at this size are issue 12's chunked prefill, not planned here)."""
+  the numbers, before anything is allocated (params are shapes only). On the device side the prefill's
+  activations (one layer at a time, MLP in row pieces, blockwise attention) put it at ~79 GiB: it fits an H200."""
   from specache_jax.bench.models import SHAPES
   from specache_jax.model.config import ModelConfig
   from specache_jax.model.init import init_params
@@ -173,6 +173,10 @@ def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
     plans["pinned_host"].check()
   assert plans["numpy"].store == "numpy"
   plans["numpy"].check()                                                   # pageable RAM: 100 <= 128 GiB
+  on_h200 = offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, platform="gpu",
+                                host_available=128 * 2**30, device_available=141 * 10**9)
+  assert 70 * 2**30 < on_h200.device_bytes < 90 * 2**30                     # weights 15 GiB + prefill ~55 GiB
+  on_h200.check()
 
 
 def test_pinned_pool_cap_comes_from_the_environment(monkeypatch):
@@ -235,3 +239,23 @@ def test_each_fetch_is_issued_before_the_next_layer_and_waited_on_only_a_step_la
       assert i < waited[nxt], f"layer {layer_of[n] + 1} waited before layer {layer_of[n]}'s fetch was issued"
   for n in range(len(issued) - 1):                         # issue order: layer by layer within a pass
     assert layer_of[n + 1] == (layer_of[n] + 1) % n_layers
+
+
+@pytest.mark.parametrize("batch, prompt_len", [(1, 40), (2, 700)])     # one tile; 3 query blocks, 2 row pieces
+def test_prefill_activation_estimate_bounds_what_xla_allocates_for_a_prefill_layer(batch, prompt_len):
+  """The memory plan's activation term vs XLA's own memory analysis of the runtime's compiled prefill layer
+  (its temporaries + the hidden state in + its outputs): at least that, and not more than twice."""
+  from specache_jax import runtime
+  from specache_jax.model import decoder as dec
+  cfg = _model().config
+  method = sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4, offload=True)
+  st = jax.eval_shape(lambda: jax.tree.map(lambda a: a[0], method.impl.init(method, cfg, batch, prompt_len,
+                                                                            jnp.float32)))
+  lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _model().params["layers"])
+  x = jax.ShapeDtypeStruct((batch, prompt_len, cfg.dim), jnp.float32)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  rope = jax.eval_shape(lambda n: dec.rope_for(cfg, "prefill", n, prompt_len), lengths)
+  mem = runtime._prefill_layer.lower(lp, x, lengths, rope, st, cfg=cfg, method=method).compile().memory_analysis()
+  xla = mem.temp_size_in_bytes + mem.output_size_in_bytes + batch * prompt_len * cfg.dim * 4
+  est = offload.prefill_activation_bytes(cfg, batch, prompt_len, jnp.float32)
+  assert xla <= est <= 2 * xla, (xla, est)
