@@ -115,7 +115,7 @@ def prefill_activation_bytes(model_cfg, batch: int, prompt_len: int, dtype,
     one row piece           the SwiGLU's gate, up and product for ROW_CHUNK rows (decoder.in_row_chunks), f32;
     one attention tile      logits, probabilities and mask of block_q·G rows x block_k keys per KV head, f32;
   plus the last row's logits (f32, a few copies). An upper bound on what XLA:CPU allocates (checked against
-  its memory analysis in tests/test_offload.py); a GPU compilation fuses at least as much."""
+  its memory analysis in tests/test_offload.py); not checked against a GPU compilation (none here)."""
   c, item = model_cfg, jnp.dtype(dtype).itemsize
   q_width, kv_width = c.n_heads * c.head_dim, 2 * c.n_kv_heads * c.head_dim
   rows = batch * prompt_len
