@@ -247,11 +247,12 @@ def test_prefill_activation_estimate_bounds_what_xla_allocates_for_a_prefill_lay
   (its temporaries + the hidden state in + its outputs): at least that, and not more than twice."""
   from specache_jax import runtime
   from specache_jax.model import decoder as dec
-  cfg = _model().config
+  model = _model()
+  cfg = model.config
   method = sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4, offload=True)
   st = jax.eval_shape(lambda: jax.tree.map(lambda a: a[0], method.impl.init(method, cfg, batch, prompt_len,
                                                                             jnp.float32)))
-  lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _model().params["layers"])
+  lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.params["layers"])
   x = jax.ShapeDtypeStruct((batch, prompt_len, cfg.dim), jnp.float32)
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
   rope = jax.eval_shape(lambda n: dec.rope_for(cfg, "prefill", n, prompt_len), lengths)
