@@ -3,7 +3,8 @@
 Besides the library (`specache_jax`, `pallas_kernels`) the wheel ships the launchers (`experiments`) and their
 `get_config()` files (`configs`, as in the checkout: `from configs import niah`), and the committed Austen texts:
 `data/austen/` of the checkout becomes `specache_jax/data/austen/` of the wheel, where
-`specache_jax.data.corpora` finds them when no checkout is around.
+`specache_jax.data.corpora` finds them when no checkout is around. The CPU kernels' C++ source
+(`specache_jax/cpu_kernels/*.cc`) ships too: it is compiled on the user's machine at first use.
 """
 from __future__ import annotations
 
@@ -15,5 +16,6 @@ packages = setuptools.find_packages(include=["specache_jax", "specache_jax.*", "
 setuptools.setup(
     packages=packages + [AUSTEN],
     package_dir={AUSTEN: "data/austen"},
-    package_data={AUSTEN: ["*.txt", "SOURCE.md"], "experiments": ["*.sh"]},
+    package_data={AUSTEN: ["*.txt", "SOURCE.md"], "experiments": ["*.sh"],
+                  "specache_jax.cpu_kernels": ["*.cc"]},
 )

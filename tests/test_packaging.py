@@ -136,6 +136,7 @@ def test_wheel_holds_every_module_the_configs_and_the_austen_texts(dist):
   assert modules <= names, sorted(modules - names)
   assert {f"configs/{p.name}" for p in (src / "configs").glob("*.py")} <= names
   assert "configs/niah.py" in names and "experiments/gpu_check.sh" in names
+  assert "specache_jax/cpu_kernels/skinny_matmul.cc" in names        # compiled where the wheel is used
   assert sorted(top_level) == list(TOP_LEVEL) and not any(n.startswith("tests/") for n in names)
   want = {f"specache_jax/data/austen/{stem}.txt" for stem in corpora.AUSTEN_TITLES} | {
       "specache_jax/data/austen/SOURCE.md"}

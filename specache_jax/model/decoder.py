@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
+from specache_jax.cpu_kernels import dense
 from specache_jax.model.config import ModelConfig
 from specache_jax.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 
@@ -47,9 +48,7 @@ def rope_for(cfg: ModelConfig, phase: str, lengths_B, t: int):
 def qkv(cfg: ModelConfig, lp, h_BTD, rope):
   """Projections + RoPE: q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]."""
   b, t, _ = h_BTD.shape
-  q = jnp.einsum("btd,de->bte", h_BTD, lp["wq"])
-  k = jnp.einsum("btd,de->bte", h_BTD, lp["wk"])
-  v = jnp.einsum("btd,de->bte", h_BTD, lp["wv"])
+  q, k, v = dense(h_BTD, lp["wq"], lp["wk"], lp["wv"])
   if cfg.qkv_bias:
     q = q + lp["bq"][None, None, :]
     k = k + lp["bk"][None, None, :]
@@ -73,7 +72,7 @@ def layer_output(cfg: ModelConfig, lp, x_BTD, attn_BTNH):
   Runs `in_row_chunks`."""
   def rows(x, attn):
     b, t, _ = x.shape
-    x = x + jnp.einsum("bte,ed->btd", attn.reshape(b, t, -1), lp["wo"])
+    x = x + dense(attn.reshape(b, t, -1), lp["wo"])
     return x + swiglu_mlp(rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
   return in_row_chunks(rows, x_BTD, attn_BTNH)
 
@@ -136,8 +135,8 @@ def lm_head(params, cfg: ModelConfig, x_BTD):
   """Final norm + LM head -> float32 logits [B, T, V]."""
   h = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
   if cfg.tie_embeddings:
-    return jnp.einsum("btd,vd->btv", h, params["embed"]).astype(jnp.float32)
-  return jnp.einsum("btd,dv->btv", h, params["lm_head"]).astype(jnp.float32)
+    return dense(h, params["embed"], transposed=True).astype(jnp.float32)
+  return dense(h, params["lm_head"]).astype(jnp.float32)
 
 
 def is_per_layer(layers) -> bool:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax.cpu_kernels import dense
 from specache_jax.model.config import ModelConfig
 
 
@@ -60,6 +61,5 @@ def apply_rope(x, rope):
 
 def swiglu_mlp(x, lp):
   """x [B, T, D] -> [B, T, D] with the layer's w_gate/w_up [D, F] and w_down [F, D]."""
-  gate_BTF = jnp.einsum("btd,df->btf", x, lp["w_gate"])
-  up_BTF = jnp.einsum("btd,df->btf", x, lp["w_up"])
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, lp["w_down"])
+  gate_BTF, up_BTF = dense(x, lp["w_gate"], lp["w_up"])
+  return dense(jax.nn.silu(gate_BTF) * up_BTF, lp["w_down"])

@@ -1,0 +1,209 @@
+"""The XLA:CPU skinny-matmul kernel (`specache_jax.cpu_kernels`) vs XLA's dot on this CPU, in two parts:
+
+  python -m experiments.cpu_kernel_bench --out=results/cpu_kernels           # writes .json and .md
+  python -m experiments.cpu_kernel_bench --out=/tmp/ck --contexts=256 --batches=1 --rounds=2 --steps=1  # smoke
+
+products  a decoding step's weight products alone (SmolLM2-135M shapes, random float32 weights: per layer
+          q/k/v in one product, o, gate/up in one, down; 30 layers; the tied LM head), M rows, XLA's dot vs the
+          kernel for every M (whatever `cpu_kernels.use_kernel` picks); GB/s and × the machine's read floor.
+steps     whole greedy decoding steps of the library (random weights and a random cache state of `--contexts`
+          tokens, as peer_bench's scaling curve) with the kernels on (what `dense` picks) vs off
+          (SPECACHE_JAX_CPU_KERNELS=0 while tracing): the same steps, interleaved round by round.
+Every variant's output is checked against XLA's before timing (products: ≤ 1e-4 relative; steps: the same
+greedy tokens over the first step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from configs import peer_bench as peer_bench_config
+from specache_jax import cpu_kernels as ck
+from specache_jax import decode
+from specache_jax.bench import machine, models as bench_models, peer, states, timing
+from specache_jax.experiments_lib import methods as exp_methods
+from specache_jax.model import decoder as dec
+
+_OUT = flags.DEFINE_string("out", "results/cpu_kernels", "output path without extension (.json and .md)")
+_ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8"], "products: rows M")
+_METHODS = flags.DEFINE_list("methods", ["full", "kivi_2bit", "specache_1bit"], "steps: labels of "
+                             "configs/peer_bench.py's methods (jitted path)")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "steps: cached tokens")
+_BATCHES = flags.DEFINE_list("batches", ["1", "2", "4"], "steps: batch sizes")
+_ROUNDS = flags.DEFINE_integer("rounds", 7, "timed rounds (median reported)")
+_STEPS = flags.DEFINE_integer("steps", 4, "steps: decoding steps per round, back to back")
+SHAPE = "smollm2-135m"
+
+
+def _rounds(fns: dict, rounds: int) -> dict:
+  """name -> seconds per call of fns[name]() (blocked on its result), the names interleaved, order alternating."""
+  samples = {name: [] for name in fns}
+  for r in range(rounds):
+    for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+      t0 = time.perf_counter()
+      timing.block(fns[name]())
+      samples[name].append(time.perf_counter() - t0)
+  return samples
+
+
+def products(params, cfg, rows: int, rounds: int, bandwidth: float) -> dict:
+  layers = dec.unstack_layers(params["layers"], cfg.n_layers)
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.dim)), jnp.float32)
+  xf = jnp.asarray(np.random.default_rng(rows + 1).standard_normal((rows, cfg.ffn_dim)), jnp.float32)
+  xa = jnp.asarray(np.random.default_rng(rows + 2).standard_normal((rows, cfg.n_heads * cfg.head_dim)),
+                   jnp.float32)
+  groups = []                                                   # (input, weights, transposed) per call
+  for lp in layers:
+    groups += [(x, (lp["wq"], lp["wk"], lp["wv"]), False), (xa, (lp["wo"],), False),
+               (x, (lp["w_gate"], lp["w_up"]), False), (xf, (lp["w_down"],), False)]
+  groups.append((x, (params["embed"],), True))
+
+  def xla(groups):
+    return [ck.skinny_matmul_reference(g[0], g[1], g[2]) for g in groups]
+
+  def kernel(groups):
+    return [ck.skinny_matmul(g[0], g[1], g[2]) for g in groups]
+
+  static = [g[2] for g in groups]
+  fns = {name: jax.jit(lambda arrays, f=f: f([(a, w, t) for (a, w), t in zip(arrays, static)]))
+         for name, f in (("xla", xla), ("kernel", kernel))}
+  arrays = [(g[0], g[1]) for g in groups]
+  want, got = fns["xla"](arrays), fns["kernel"](arrays)
+  err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+            for wa, ga in zip(want, got) for a, b in zip(wa, ga))
+  if err > 1e-4:
+    raise AssertionError(f"kernel differs from XLA's dot at M={rows}: {err:.2e} relative")
+  samples = _rounds({name: (lambda f=f: f(arrays)) for name, f in fns.items()}, rounds)
+  nbytes = sum(w.nbytes for g in groups for w in g[1])
+  out = {"rows": rows, "weight_bytes": nbytes, "max_rel_err": err}
+  for name, s in samples.items():
+    sec = statistics.median(s)
+    out[name] = {"ms": sec * 1e3, "GBps": nbytes / sec / 1e9, "x_floor": sec / (nbytes / bandwidth),
+                 "samples_ms": [round(v * 1e3, 3) for v in s]}
+  out["kernel_vs_xla"] = out["kernel"]["ms"] / out["xla"]["ms"]
+  return out
+
+
+def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: int) -> dict:
+  cfg, config = model.config, peer_bench_config.get_config()
+  lp = dec.unstack_params(model.params, cfg.n_layers)
+  prompt = context - 64
+  slots = states.cell_slots(prompt, 1 + rounds * n_steps + 2)
+  captured = peer.random_captured(cfg, batch, prompt, context, jnp.float32)
+  first = jnp.asarray(np.random.RandomState(context).randint(0, cfg.vocab_size, batch), jnp.int32)
+  lengths = jnp.full((batch,), prompt, jnp.int32)
+  fns, carries, out = {}, {}, {}
+  for label in method_labels:
+    method = exp_methods.build(config, label, cfg, slots, jnp.float32)
+    firsts = {}
+    for kernels in (True, False):
+      os.environ[ck.ENV_SWITCH] = "1" if kernels else "0"
+      ck._load.cache_clear()
+      try:
+        cache = states.build_cache(captured, lengths, cfg=cfg, method=method, max_len=slots)
+        carry = timing.block(states.first_decode_input(model.params, first, cache, cfg=cfg, method=method))
+        fn = jax.jit(lambda lp, inp, cache, method=method: _step(lp, inp, cache, cfg, method),
+                     donate_argnums=(2,))
+        carry = timing.block(fn(lp, *carry))                   # traced (and compiled) under the switch
+      finally:
+        os.environ.pop(ck.ENV_SWITCH, None)
+        ck._load.cache_clear()
+      name = f"{label} {'kernel' if kernels else 'xla'}"
+      firsts[kernels] = np.asarray(carry[0])
+      carries[name] = carry
+      fns[name] = lambda name=name, fn=fn: _chain(fn, lp, carries, name, n_steps)
+    if not np.array_equal(firsts[True], firsts[False]):
+      raise AssertionError(f"{label}: the first greedy step differs with and without the kernels")
+  del captured
+  samples = _rounds(fns, rounds)
+  for label in method_labels:
+    rec = {}
+    for variant in ("kernel", "xla"):
+      s = [v / n_steps for v in samples[f"{label} {variant}"]]
+      rec[variant] = {"ms_per_step": statistics.median(s) * 1e3, "samples_ms": [round(v * 1e3, 2) for v in s]}
+    rec["kernel_vs_xla"] = rec["kernel"]["ms_per_step"] / rec["xla"]["ms_per_step"]
+    out[label] = rec
+  return out
+
+
+def _step(lp, inp, cache, cfg, method):
+  logits, cache, _ = dec.forward(lp, cfg, inp, cache, method, "decode")
+  return decode.next_input(method, decode.guess(logits[:, 0]), logits), cache
+
+
+def _chain(fn, lp, carries: dict, name: str, n: int):
+  """n steps back to back from carries[name] (updated: the cache buffers are donated)."""
+  for _ in range(n):
+    carries[name] = fn(lp, *carries[name])
+  return carries[name]
+
+
+def _markdown(rep: dict) -> str:
+  m = rep["meta"]
+  lines = ["# The CPU skinny-matmul kernel vs XLA's dot (specache_jax.cpu_kernels)", "",
+           f"Command: `{m['command']}`", "",
+           f"- machine: {m['machine']}; read bandwidth {m['bandwidth_GBps']:.1f} GB/s (best of "
+           f"{', '.join(m['bandwidth_of'])}); load average at start {m['load_start']}, at end {m['load_end']}",
+           f"- kernel status: {m['kernel_status']}; `dense` takes it for these rows (inclusive) by weight layout: "
+           f"{m['use_kernel']} (dn: [D, N] weights; nd: the tied LM head [N, D])",
+           f"- medians of {m['rounds']} interleaved rounds; SmolLM2-135M shapes, random float32 weights", "",
+           "## A step's weight products alone (30 layers: q/k/v, o, gate/up, down; tied LM head)", "",
+           "| rows M | weights | XLA ms (GB/s, × floor) | kernel ms (GB/s, × floor) | kernel ÷ XLA |", "|---|---|---|---|---|"]
+  for p in rep["products"]:
+    cell = lambda v: f"{v['ms']:.2f} ({v['GBps']:.1f}, {v['x_floor']:.2f}×)"
+    lines.append(f"| {p['rows']} | {p['weight_bytes'] / 2**20:.0f} MiB | {cell(p['xla'])} | {cell(p['kernel'])} "
+                 f"| {p['kernel_vs_xla']:.2f} |")
+  lines += ["", "## Whole decoding steps, kernels on (what `dense` picks) vs off", "",
+            "| S | B | method | rows per product | kernels ms/step | XLA ms/step | kernels ÷ XLA |",
+            "|---|---|---|---|---|---|---|"]
+  for c in rep["steps"]:
+    for label, r in c["methods"].items():
+      rows = c["B"] * (2 if label.startswith("specache") else 1)
+      lines.append(f"| {c['S']} | {c['B']} | {label} | {rows} | {r['kernel']['ms_per_step']:.1f} | "
+                   f"{r['xla']['ms_per_step']:.1f} | {r['kernel_vs_xla']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if not ck.available():
+    raise app.UsageError(f"the CPU kernels are {ck.status()}")
+  model = bench_models.load(f"random:{SHAPE}", "float32", 0)
+  bw = machine.read_bandwidth(1 << 30, machine.cpu_threads(), torch_device=None)
+  flag_text = " ".join(f"--{f.name}={','.join(f.value) if isinstance(f.value, list) else f.value}"
+                       for f in (_OUT, _ROWS, _METHODS, _CONTEXTS, _BATCHES, _ROUNDS, _STEPS))
+  rep = {"meta": {"command": f"python -m experiments.cpu_kernel_bench {flag_text}",
+                  "machine": timing.machine_info(), "load_start": timing.load_average(),
+                  "bandwidth_GBps": bw["best_Bps"] / 1e9, "bandwidth_of": bw["best_of"], "rounds": _ROUNDS.value,
+                  "kernel_status": ck.status(), "use_kernel": ck.DENSE_ROWS},
+         "products": [], "steps": []}
+  for rows in (int(r) for r in _ROWS.value):
+    rep["products"].append(products(model.params, model.config, rows, _ROUNDS.value, bw["best_Bps"]))
+    p = rep["products"][-1]
+    print(f"products M={rows}: xla {p['xla']['ms']:.2f} ms, kernel {p['kernel']['ms']:.2f} ms")
+  for batch in (int(b) for b in _BATCHES.value):
+    for context in (int(c) for c in _CONTEXTS.value):
+      cell = {"S": context, "B": batch,
+              "methods": steps(model, _METHODS.value, context, batch, _ROUNDS.value, _STEPS.value)}
+      rep["steps"].append(cell)
+      print(f"steps S={context} B={batch}: " + ", ".join(
+          f"{k} {v['kernel']['ms_per_step']:.1f} vs {v['xla']['ms_per_step']:.1f} ms" for k, v in
+          cell["methods"].items()))
+  rep["meta"]["load_end"] = timing.load_average()
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value + ".json", "w") as f:
+    json.dump(rep, f, indent=1)
+  with open(_OUT.value + ".md", "w") as f:
+    f.write(_markdown(rep))
+
+
+if __name__ == "__main__":
+  app.run(main)

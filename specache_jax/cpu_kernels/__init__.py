@@ -1,0 +1,164 @@
+"""Hand-written XLA:CPU kernels (XLA FFI custom calls), each beside its float32 jnp reference.
+
+`skinny_matmul(x [M, D], w)`: a weight product with few rows (M <= MAX_ROWS), the shape of every projection in a
+decoding step. XLA:CPU's dot streams a weight matrix at memory bandwidth for one row, but takes ~1.65x as long
+for two (measured on the 2-core AVX-512 machine for [576, 1536] float32; numpy and torch behave alike), and a
+SpeCache step decodes two rows per sequence (the real and the speculative token). The kernel reads each weight
+once for all M rows (`skinny_matmul.cc`).
+
+The C++ source is compiled on first use with the machine's C++ compiler (`-O3 -march=native`) against the
+XLA FFI headers of the installed jaxlib, into a cache folder (`$SPECACHE_JAX_KERNEL_CACHE`, default
+`~/.cache/specache_jax/kernels`) keyed by the source, the jaxlib version and the compiler. Where that fails (no
+compiler) the models keep XLA's dot and `status()` says why; `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels
+off. They run on the CPU backend only: `dense` lowers to XLA's dot for every other platform.
+
+Multi-device CPU meshes: the SPMD partitioner cannot split a custom call, so a weight sharded over a "model"
+axis is gathered before the kernel (correct, but the per-device bytes of a sharded layer are lost); CPU meshes
+are a test bed here, the kernels are for the single-device CPU decode.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+MAX_ROWS = 8          # rows the kernel takes
+# Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
+DENSE_ROWS = {"dn": (2, 4), "nd": (1, 4)}
+SOURCE = Path(__file__).with_name("skinny_matmul.cc")
+TARGET = "specache_skinny_matmul"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("SPECACHE_JAX_KERNEL_CACHE", Path.home() / ".cache" / "specache_jax" / "kernels"))
+
+
+def _compiler() -> str | None:
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build(out_dir: Path | None = None) -> Path:
+  """Compiles `skinny_matmul.cc` (once per source, jaxlib and compiler) -> the shared library's path.
+
+  Raises RuntimeError naming the compiler command and its output when it fails."""
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+  key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, cxx, *version, *FLAGS]).encode())
+  out_dir = cache_dir() if out_dir is None else Path(out_dir)
+  lib = out_dir / f"skinny_matmul-{key.hexdigest()[:16]}.so"
+  if lib.exists():
+    return lib
+  out_dir.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=out_dir) as tmp:          # build aside, then rename: atomic for racers
+    tmp_lib = Path(tmp) / lib.name
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_lib)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    os.replace(tmp_lib, lib)
+  return lib
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+  if os.environ.get(ENV_SWITCH, "1") == "0":
+    return False, f"off ({ENV_SWITCH}=0)"
+  try:
+    lib = build()
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SkinnyMatmul), platform="cpu")
+  except (RuntimeError, OSError) as e:
+    return False, f"unavailable: {e}"
+  return True, f"on ({lib})"
+
+
+def available() -> bool:
+  """Whether the kernels are built and registered (compiles them on the first call)."""
+  return _load()[0]
+
+
+def status() -> str:
+  """'on (<library>)', 'off (...)' or 'unavailable: <why>'."""
+  return _load()[1]
+
+
+def _checked(x_MD, ws, transposed: bool) -> list[int]:
+  """The output widths N_i of x [M, D] times each weight; a clear error for anything the kernel cannot take."""
+  if not ws:
+    raise ValueError("skinny_matmul: no weights given")
+  m, d = x_MD.shape
+  if not 1 <= m <= MAX_ROWS:
+    raise ValueError(f"skinny_matmul: x has {m} rows; the kernel takes 1 to {MAX_ROWS}")
+  widths = []
+  for w in ws:
+    n, d_w = (w.shape if transposed else w.shape[::-1])
+    if d_w != d:
+      raise ValueError(f"skinny_matmul: x {x_MD.shape} and w {w.shape} (transposed={transposed}) do not contract")
+    if x_MD.dtype != jnp.float32 or w.dtype != jnp.float32:
+      raise ValueError(f"skinny_matmul: float32 only, got x {x_MD.dtype} and w {w.dtype}")
+    widths.append(n)
+  return widths
+
+
+def skinny_matmul(x_MD, ws, transposed: bool = False) -> list:
+  """x [M, D] float32 (1 <= M <= MAX_ROWS) times each weight of `ws` -> a list of [M, N_i] float32, in one call
+  (the weights' blocks share the threads). A weight is [D, N_i], or [N_i, D] when `transposed` (a tied LM head:
+  x · wᵀ). CPU backend only; `skinny_matmul_reference` is the same in jnp."""
+  widths = _checked(x_MD, ws, transposed)
+  if not available():
+    raise RuntimeError(f"skinny_matmul: CPU kernels {status()}")
+  outs = [jax.ShapeDtypeStruct((x_MD.shape[0], n), jnp.float32) for n in widths]
+  return list(jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(x_MD, *ws, nd=transposed))
+
+
+def skinny_matmul_reference(x_MD, ws, transposed: bool = False) -> list:
+  """`skinny_matmul` in float32 jnp (the same signature)."""
+  _checked(x_MD, ws, transposed)
+  spec = "md,nd->mn" if transposed else "md,dn->mn"
+  return [jnp.einsum(spec, x_MD, w, precision=jax.lax.Precision.HIGHEST) for w in ws]
+
+
+def use_kernel(rows: int, transposed: bool) -> bool:
+  """Whether `dense` takes the kernel for a product with `rows` rows (`DENSE_ROWS`), from whole decoding steps
+  with the kernels on and off (`experiments/cpu_kernel_bench.py`, SmolLM2-135M shapes, the 2-core AVX-512
+  CPU): [D, N] weights from 2 to 4 rows (one row: XLA's dot was as fast alone and faster inside the step;
+  8 rows: XLA's GEMM catches up), the tied LM head [N, D] from 1 to 4 rows."""
+  lo, hi = DENSE_ROWS["nd" if transposed else "dn"]
+  return lo <= rows <= hi
+
+
+def dense(x, *ws, transposed: bool = False):
+  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> [..., N_i]: the model's weight
+  products (an array for one weight, a tuple for several: q/k/v or gate/up, which share their input).
+
+  On the CPU backend, float32 operands with few rows (`use_kernel`: a decoding step) take `skinny_matmul`, one
+  call for all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot."""
+  spec = "...d,nd->...n" if transposed else "...d,dn->...n"
+  rows = x.size // x.shape[-1] if x.shape[-1] else 0
+
+  def xla(x, *ws):
+    return tuple(jnp.einsum(spec, x, w) for w in ws)
+
+  def kernel(x, *ws):
+    outs = skinny_matmul(x.reshape(rows, x.shape[-1]), ws, transposed)
+    return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
+
+  f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
+  if use_kernel(rows, transposed) and f32 and available():
+    outs = jax.lax.platform_dependent(x, *ws, cpu=kernel, default=xla)
+  else:
+    outs = xla(x, *ws)
+  return outs[0] if len(ws) == 1 else outs
