@@ -136,3 +136,21 @@ def test_without_a_compiler_the_model_keeps_xla_dots(tmp_path):
   first, second = lines[0], lines[-1]
   assert first.startswith("False unavailable: compiling the CPU kernels failed (/bin/false"), first
   assert second == "64.0"
+
+
+@needs_kernel
+def test_dense_on_a_mesh_keeps_the_rows_sharded_and_gathers_sharded_weights():
+  """custom_partitioning: rows split over "data" stay split; a weight split over "model" is gathered."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from specache_jax import sharding
+  mesh = sharding.make_mesh(2, 2)
+  rng = np.random.default_rng(3)
+  x = jax.device_put(_rand(rng, 4, 1, 64), NamedSharding(mesh, P("data")))
+  w = jax.device_put(_rand(rng, 64, 96), NamedSharding(mesh, P(None, "model")))
+  fn = jax.jit(lambda x, w: ck.dense(x, w, w[:, :8]))
+  assert ck.TARGET in fn.lower(x, w).compile().as_text()          # each device runs the kernel
+  y, y8 = fn(x, w)
+  assert y.sharding.spec[0] == "data"
+  want = jnp.einsum("btd,dn->btn", x, w)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(y8), np.asarray(want[..., :8]), rtol=1e-5, atol=1e-5)

@@ -12,9 +12,9 @@ XLA FFI headers of the installed jaxlib, into a cache folder (`$SPECACHE_JAX_KER
 compiler) the models keep XLA's dot and `status()` says why; `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels
 off. They run on the CPU backend only: `dense` lowers to XLA's dot for every other platform.
 
-Multi-device CPU meshes: the SPMD partitioner cannot split a custom call, so a weight sharded over a "model"
-axis is gathered before the kernel (correct, but the per-device bytes of a sharded layer are lost); CPU meshes
-are a test bed here, the kernels are for the single-device CPU decode.
+Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
+device multiplies its own rows), the weights are gathered where they are sharded (correct; the per-device
+weight bytes of a model-sharded layer are lost, acceptable for CPU meshes, which are a test bed here).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
@@ -145,7 +147,9 @@ def dense(x, *ws, transposed: bool = False):
   products (an array for one weight, a tuple for several: q/k/v or gate/up, which share their input).
 
   On the CPU backend, float32 operands with few rows (`use_kernel`: a decoding step) take `skinny_matmul`, one
-  call for all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot."""
+  call for all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot. Where the
+  default backend is a GPU/TPU the kernel is not even built; where it is the CPU, a program lowered for another
+  platform still gets XLA's dot (`lax.platform_dependent`)."""
   spec = "...d,nd->...n" if transposed else "...d,dn->...n"
   rows = x.size // x.shape[-1] if x.shape[-1] else 0
 
@@ -153,12 +157,40 @@ def dense(x, *ws, transposed: bool = False):
     return tuple(jnp.einsum(spec, x, w) for w in ws)
 
   def kernel(x, *ws):
-    outs = skinny_matmul(x.reshape(rows, x.shape[-1]), ws, transposed)
+    outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
     return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
 
   f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-  if use_kernel(rows, transposed) and f32 and available():
+  if use_kernel(rows, transposed) and f32 and jax.default_backend() == "cpu" and available():
     outs = jax.lax.platform_dependent(x, *ws, cpu=kernel, default=xla)
   else:
     outs = xla(x, *ws)
   return outs[0] if len(ws) == 1 else outs
+
+
+@functools.cache
+def _row_partitioned(n_weights: int, transposed: bool):
+  """`skinny_matmul` for the SPMD partitioner: rows keep their sharding, weights and outputs' columns are
+  replicated (each device multiplies its rows by the whole weights)."""
+  names = [f"n{i}" for i in range(n_weights)]
+  rule = ", ".join(["m d"] + [f"{n} d" if transposed else f"d {n}" for n in names]) + " -> " + ", ".join(
+      f"m {n}" for n in names)
+
+  local = lambda x, *ws: tuple(skinny_matmul(x, ws, transposed))   # noqa: E731 (also each device's part)
+  call = custom_partitioning(local)
+
+  def shardings(mesh, x_shape):
+    spec = x_shape.sharding.spec if isinstance(x_shape.sharding, NamedSharding) else P()
+    rows = NamedSharding(mesh, P(spec[0] if len(spec) else None, None))
+    return rows, NamedSharding(mesh, P())
+
+  def infer(mesh, arg_shapes, result_shape):
+    return tuple(shardings(mesh, arg_shapes[0])[0] for _ in range(n_weights))
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows, whole = shardings(mesh, arg_shapes[0])
+    return mesh, local, tuple(rows for _ in range(n_weights)), (rows,) + (whole,) * n_weights
+
+  call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("d", *names))
+  return call
