@@ -104,13 +104,13 @@ def _checked(x_MD, ws, transposed: bool) -> list[int]:
   m, d = x_MD.shape
   if not 1 <= m <= MAX_ROWS:
     raise ValueError(f"skinny_matmul: x has {m} rows; the kernel takes 1 to {MAX_ROWS}")
+  if x_MD.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+    raise ValueError(f"skinny_matmul: float32 only, got x {x_MD.dtype} and w {[str(w.dtype) for w in ws]}")
   widths = []
   for w in ws:
     n, d_w = (w.shape if transposed else w.shape[::-1])
     if d_w != d:
       raise ValueError(f"skinny_matmul: x {x_MD.shape} and w {w.shape} (transposed={transposed}) do not contract")
-    if x_MD.dtype != jnp.float32 or w.dtype != jnp.float32:
-      raise ValueError(f"skinny_matmul: float32 only, got x {x_MD.dtype} and w {w.dtype}")
     widths.append(n)
   return widths
 
