@@ -17,5 +17,5 @@ setuptools.setup(
     packages=packages + [AUSTEN],
     package_dir={AUSTEN: "data/austen"},
     package_data={AUSTEN: ["*.txt", "SOURCE.md"], "experiments": ["*.sh"],
-                  "specache_jax.cpu_kernels": ["*.cc"]},
+                  "specache_jax.cpu_kernels": ["*.cc", "*.h"]},
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -12,6 +13,7 @@ from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.errors import ConfigError
 
 
@@ -90,10 +92,28 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
                                                  residual=method.residual)
   ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
   ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, method.residual))
-  out, _ = A.segmented_attention(
-      q, [lowbit.packed_segment(low, A.valid_cols_mask(val_qlen, s, t), bits=method.bits,
-                                group_size=method.group_size), (ring_k, ring_v, ring_mask),
-          (kn, vn, A.causal_new_mask(b, t))], q.shape[-1] ** -0.5, n_kv)
+  new_mask = A.causal_new_mask(b, t)
+  sm_scale = q.shape[-1] ** -0.5
+
+  def jnp_attention():
+    return A.segmented_attention(
+        q, [lowbit.packed_segment(low, A.valid_cols_mask(val_qlen, s, t), bits=method.bits,
+                                  group_size=method.group_size), (ring_k, ring_v, ring_mask),
+            (kn, vn, new_mask)], sm_scale, n_kv)[0]
+
+  def kernel_attention():
+    extra = lambda x, y: jnp.concatenate([x.astype(q.dtype), y.astype(q.dtype)], axis=2)
+    return cpu_attention.mixed_decode_attention(
+        q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero, val_qlen,
+        jnp.zeros((b, n_kv, 0), jnp.int32), extra(ring_k, kn), extra(ring_v, vn),
+        jnp.concatenate([ring_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1), bits=method.bits,
+        group_size=method.group_size, sm_scale=sm_scale)[0]
+
+  if cpu_attention.applies(method.bits, method.group_size, q.shape[-1]):
+    # XLA:CPU: the fused kernel (its probabilities unused); a program lowered for another platform keeps jnp
+    out = jax.lax.platform_dependent(cpu=kernel_attention, default=jnp_attention)
+  else:
+    out = jnp_attention()
   return out, State(low=low), {}
 
 

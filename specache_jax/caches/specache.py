@@ -19,6 +19,7 @@ Axis letters as in caches/attention.py; X = k fetched rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -32,6 +33,7 @@ from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
@@ -260,7 +262,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
   probabilities per position averaged over each group, [B, K, len(rows), S] float32 (the new rows' columns land
-  at positions n .. n+T-1). The Pallas kernel gives the last row's only.
+  at positions n .. n+T-1). The fused kernels give the last row's only: Pallas (attention_impl) and, for
+  attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows is the last row's.
 
   ring: (ring_k, ring_v) as they were before this step's row was stored (`attend` stores first, so the big
   buffers are written in place; the codes it wrote are at positions this attention masks); default st's."""
@@ -284,7 +287,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, method.residual))
   new_mask = A.causal_new_mask(b, t)
   sm_scale = h ** -0.5
-  if method.attention_impl == "jnp":
+  exclude = jnp.where(kap_use, kappa, -1)
+
+  def jnp_attention():
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
     excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
     low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
@@ -294,20 +299,32 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
         q, [low, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
         sm_scale, n_kv)
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
-    probs_low, probs_extra = of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
-  else:
+    return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
+
+  def fused_attention(kernel):
+    """The Pallas kernel or the CPU kernel (the same contract: the last row's probabilities only)."""
     if tuple(rows) != (-1,):
-      raise ValueError(f"{rows=}: the Pallas kernel returns the last row's probabilities only")
+      raise ValueError(f"{rows=}: the fused attention kernels return the last row's probabilities only")
     extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
                                kn_BKTH.astype(q.dtype)], axis=2)
     extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
                                vn_BKTH.astype(q.dtype)], axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
-    out, probs_low, probs_extra = mixed_decode_attention(
+    out, p_low, p_extra = kernel(
         q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
-        val_qlen, jnp.where(kap_use, kappa, -1), extra_k, extra_v, extra_mask, bits=method.bits,
-        group_size=method.group_size, sm_scale=sm_scale, interpret=method.attention_impl == "pallas_interpret")
-    probs_low, probs_extra = probs_low[:, :, None], probs_extra[:, :, None]
+        val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
+        sm_scale=sm_scale)
+    return out, p_low[:, :, None], p_extra[:, :, None]
+
+  if method.attention_impl != "jnp":
+    out, probs_low, probs_extra = fused_attention(functools.partial(
+        mixed_decode_attention, interpret=method.attention_impl == "pallas_interpret"))
+  elif tuple(rows) == (-1,) and cpu_attention.applies(method.bits, method.group_size, h):
+    # XLA:CPU: the fused kernel; a program lowered for another platform keeps the jnp ops
+    out, probs_low, probs_extra = jax.lax.platform_dependent(
+        cpu=lambda: fused_attention(cpu_attention.mixed_decode_attention), default=jnp_attention)
+  else:
+    out, probs_low, probs_extra = jnp_attention()
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

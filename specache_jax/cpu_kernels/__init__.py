@@ -36,8 +36,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
 DENSE_ROWS = {"dn": (2, 4), "nd": (1, 4)}
-SOURCE = Path(__file__).with_name("skinny_matmul.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc"))
+HEADERS = (Path(__file__).with_name("common.h"),)
 TARGET = "specache_skinny_matmul"
+ATTENTION_TARGET = "specache_mixed_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
 
@@ -51,22 +53,23 @@ def _compiler() -> str | None:
 
 
 def build(out_dir: Path | None = None) -> Path:
-  """Compiles `skinny_matmul.cc` (once per source, jaxlib and compiler) -> the shared library's path.
+  """Compiles the kernels' sources into one library (once per source, jaxlib and compiler) -> its path.
 
   Raises RuntimeError naming the compiler command and its output when it fails."""
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-  key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, cxx, *version, *FLAGS]).encode())
+  texts = [f.read_text() for f in SOURCES + HEADERS]
+  key = hashlib.sha256("\0".join([*texts, jaxlib.__version__, cxx, *version, *FLAGS]).encode())
   out_dir = cache_dir() if out_dir is None else Path(out_dir)
-  lib = out_dir / f"skinny_matmul-{key.hexdigest()[:16]}.so"
+  lib = out_dir / f"specache_cpu_kernels-{key.hexdigest()[:16]}.so"
   if lib.exists():
     return lib
   out_dir.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out_dir) as tmp:          # build aside, then rename: atomic for racers
     tmp_lib = Path(tmp) / lib.name
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_lib)]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_lib)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
@@ -82,6 +85,7 @@ def _load() -> tuple[bool, str]:
     lib = build()
     handle = ctypes.cdll.LoadLibrary(str(lib))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SkinnyMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(handle.MixedDecodeAttention), platform="cpu")
   except (RuntimeError, OSError) as e:
     return False, f"unavailable: {e}"
   return True, f"on ({lib})"

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,13 +31,10 @@ constexpr int kColBlock = 2048;  // "dn": columns per item (whole rows of the pr
 constexpr int kRowParts = 4;     // "dn": ranges of rows of W (each with its own partial sums)
 constexpr int kRowBlock = 64;    // "nd": rows of W per block
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones (GCC vector extensions pick what the CPU has).
-typedef float V __attribute__((vector_size(64)));
-typedef float VU __attribute__((vector_size(64), aligned(4)));   // the same, at any float-aligned address
-constexpr int kLanes = 16;
-
-inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
-inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
+using specache_cpu::kLanes;
+using specache_cpu::Load;
+using specache_cpu::Store;
+using specache_cpu::V;
 
 // y_part[M, n0:n1] = x[M, d0:d1] · W[d0:d1, n0:n1] for W[D, N] row-major: rows of W are read in order, four at a
 // time (contiguous streams the prefetchers follow), each applied to all M rows; the accumulators (M x cols
@@ -109,28 +107,6 @@ struct Kernels {
 using ByRows = Kernels<1, 2, 3, 4, 5, 6, 7, 8>;
 static_assert(sizeof(ByRows::dn) / sizeof(DnFn) == kMaxRows);
 
-// Work items claimed from an atomic counter by the calling thread and by helper tasks on XLA's pool.
-struct Work {
-  std::function<void(int64_t)> item;
-  int64_t n_items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Drain() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      item(i);
-      done.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
-};
-
-void RunAll(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->n_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
-}
-
 // One product's share of a call: its weight, output and (for "dn") partial sums.
 struct Product {
   const float* w;
@@ -178,13 +154,11 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
     products[i].parts = parts.data() + off;
     off += products[i].row_parts * m * products[i].n;
   }
-  auto work = std::make_shared<Work>();
-  work->n_items = n_items;
   const DnFn dn = ByRows::dn[m - 1];
   const NdFn ndf = ByRows::nd[m - 1];
   const Product* ps = products.data();
   const int64_t n_products = products.size();
-  work->item = [=](int64_t item) {
+  auto item_fn = [=](int64_t item) {
     int64_t j = n_products - 1;
     while (ps[j].first_item > item) --j;
     const Product& p = ps[j];
@@ -198,7 +172,7 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
     const int64_t d1 = r + 1 == p.row_parts ? d : std::min(d, (r + 1) * p.rows_per_part);
     dn(xp, d, p.w, p.n, d0, d1, c * kColBlock, std::min(p.n, (c + 1) * kColBlock), p.parts + r * m * p.n);
   };
-  RunAll(pool, work);   // returns once every item is done: `products` and `parts` outlive the items
+  specache_cpu::RunAll(pool, item_fn, n_items);   // returns once every item is done: `products` and `parts` outlive the items
   if (!nd) {
     for (const Product& p : products) {
       for (int64_t i = 0; i < m * p.n; ++i) {

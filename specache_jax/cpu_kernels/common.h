@@ -1,0 +1,65 @@
+// Shared by the XLA:CPU kernels of this folder: 16-float vectors (GCC vector extensions) and a work queue whose
+// items are claimed from an atomic counter by the calling thread and by helper tasks on XLA's intra-op pool.
+#ifndef SPECACHE_JAX_CPU_KERNELS_COMMON_H_
+#define SPECACHE_JAX_CPU_KERNELS_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace specache_cpu {
+
+namespace ffi = xla::ffi;
+
+// 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones (GCC vector extensions pick what the CPU has).
+typedef float V __attribute__((vector_size(64)));
+typedef float VU __attribute__((vector_size(64), aligned(4)));   // the same, at any float-aligned address
+typedef int32_t VI __attribute__((vector_size(64)));
+typedef uint32_t VW __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
+inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
+inline V Splat(float x) { return V{} + x; }
+inline float Sum(V v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// The items of one call. The caller only waits for items another thread already claimed, so two calls running
+// at once can never wait on each other's queued tasks.
+struct Work {
+  std::function<void(int64_t)> item;
+  int64_t n_items = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      item(i);
+      done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
+// Runs item(0 .. n_items-1) on the calling thread and the pool's threads; returns when every item is done.
+inline void RunAll(ffi::ThreadPool& pool, std::function<void(int64_t)> item, int64_t n_items) {
+  if (n_items <= 0) return;
+  auto work = std::make_shared<Work>();
+  work->item = std::move(item);
+  work->n_items = n_items;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
+}
+
+}  // namespace specache_cpu
+
+#endif  // SPECACHE_JAX_CPU_KERNELS_COMMON_H_

@@ -1,0 +1,531 @@
+// Mixed-precision decode attention for XLA:CPU: the contract of pallas_kernels/mixed_decode_attention.py (its
+// jnp reference is the reference here too), in one custom call instead of ~100 XLA ops per layer.
+//
+// For every (b, KV head k) the M = G·T query rows of that head (row m = g·T + t, pre-scaled by sm_scale) attend
+// with one softmax over
+//   - low-bit slots s < lowbit_len[b] not listed in exclude[b, k, :] (keys: b-bit codes with per-channel groups
+//     of g slots, q·k̂ = Σ_h q_h z_{p,h} + Σ_h (q_h s_{p,h}) code_{s,h}; values: per-token groups of g channels),
+//   - E extra 16-bit columns where extra_mask[b, k, t, e].
+// Returns every row's output, and the last row's (t = T-1) probabilities averaged over the G heads, split into
+// the low-bit part [S] (0 where not attended) and the extra part [E].
+//
+// Two phases, each a set of work items on the calling thread + XLA's intra-op pool (common.h):
+//   1. (b, k, chunk of kChunk slots): logits of all M rows for the chunk's slots (16 slots at a time: the
+//      codes of a 16-slot block are unpacked once per channel and used by every row), the chunk's max and
+//      exp-sum per row, Σ p·v̂ over the chunk (codes unpacked once per slot, used by every row), and the
+//      last row's unnormalised probabilities.
+//   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities.
+// Slots at or past lowbit_len are never read (their scales may be NaN); a row with every column masked gives
+// output 0 and probabilities 0. float32 throughout; the exp is cephes' expf polynomial (~1 ulp).
+#include <array>
+#include <cmath>
+#include <utility>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using specache_cpu::Load;
+using specache_cpu::Splat;
+using specache_cpu::Store;
+using specache_cpu::Sum;
+using specache_cpu::V;
+using specache_cpu::VI;
+using specache_cpu::VW;
+
+constexpr int64_t kChunk = 1024;   // slots per phase-1 item (rounded up to a multiple of the key group size)
+constexpr int64_t kMaxHeadDim = 128;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// exp(x) lane by lane; -inf and anything below the float range give 0. cephes expf: x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by a degree-7 polynomial, times 2^n built in the exponent bits.
+inline V Exp(V x) {
+  const VI dead = x < Splat(-87.33654f);
+  x = x < Splat(-87.33654f) ? Splat(-87.33654f) : x;
+  x = x > Splat(88.02969f) ? Splat(88.02969f) : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  VI n = __builtin_convertvector(t, VI);                 // toward zero ...
+  n += __builtin_convertvector(n, V) > t;                // ... then floor (a true compare is -1)
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * r * r + r + 1.0f;
+  V pow2;
+  const VI bits = (n + 127) << 23;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return dead ? Splat(0.f) : y * pow2;
+}
+
+// The packed rows of `n` (<= 16) slots as uint32 words, word by word: words[w] lane i = word w of slot i (slot i's
+// row at codes + i·c_bytes; code h of a row is bits (h % (32/b))·b of word h / (32/b), DESIGN.md's layout).
+// Lanes >= n are 0.
+inline void SlotWords(const uint8_t* codes, int64_t c_bytes, int64_t n, VW* words) {
+  if (n == 16 && c_bytes == 8) {                       // two words per row: even / odd words of 16 rows
+    VW a, b;
+    std::memcpy(&a, codes, sizeof(a));
+    std::memcpy(&b, codes + 64, sizeof(b));
+    words[0] = __builtin_shuffle(a, b, VW(2 * kIota));
+    words[1] = __builtin_shuffle(a, b, VW(2 * kIota + 1));
+    return;
+  }
+  for (int64_t w = 0; w < c_bytes / 4; ++w) {
+    alignas(64) uint32_t tmp[16] = {0};
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&tmp[i], codes + i * c_bytes + 4 * w, 4);
+    std::memcpy(&words[w], tmp, sizeof(VW));
+  }
+}
+
+// Codes of every channel for a block of slots: cv[h] lane i = code_h of slot i, as floats.
+template <int BITS>
+inline void SlotCodes(const VW* words, int64_t c_bytes, V* cv) {
+  constexpr int kPerWord = 32 / BITS;
+  constexpr uint32_t kMask = BITS == 32 ? ~0u : (1u << BITS) - 1;
+  for (int64_t w = 0; w < c_bytes / 4; ++w)
+    for (int j = 0; j < kPerWord; ++j)
+      cv[w * kPerWord + j] = __builtin_convertvector(VI((words[w] >> (j * BITS)) & kMask), V);
+}
+
+// acc + (w in the lanes whose bit is set in `bits`, 0 elsewhere): one masked add on AVX-512.
+inline V MaskedAdd(V acc, uint16_t bits, float w) {
+#ifdef __AVX512F__
+  return reinterpret_cast<V>(_mm512_mask_add_ps(reinterpret_cast<__m512>(acc), bits, reinterpret_cast<__m512>(acc),
+                                                _mm512_set1_ps(w)));
+#else
+  const VI on = ((VI{} + bits) & (VI{} + 1 << kIota)) != 0;
+  return acc + (on ? Splat(w) : V{});
+#endif
+}
+
+// Codes of 16 consecutive channels of one slot (the 2·b bytes at p) as floats.
+template <int BITS>
+inline V Codes16(const uint8_t* p) {
+  if constexpr (BITS == 1) {
+    uint16_t x;
+    std::memcpy(&x, p, 2);
+    return __builtin_convertvector((VI{} + x >> kIota) & 1, V);
+  } else if constexpr (BITS == 2) {
+    uint32_t x;
+    std::memcpy(&x, p, 4);
+    return __builtin_convertvector(VI(((VW{} + x) >> VW(2 * kIota)) & 3u), V);
+  } else if constexpr (BITS == 4) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    const VW w = kIota < 8 ? VW{} + lo : VW{} + hi;
+    return __builtin_convertvector(VI((w >> VW(4 * (kIota & 7))) & 15u), V);
+  } else {
+    typedef uint8_t VB __attribute__((vector_size(16)));
+    VB x;
+    std::memcpy(&x, p, 16);
+    return __builtin_convertvector(__builtin_convertvector(x, VI), V);
+  }
+}
+
+// logits of rows m0 .. m0+RB-1 for one block of 16 slots: base[m] + Σ_h w[m, h] · cv[h] -> out + m·stride.
+template <int RB>
+void KeyRows(const V* cv, int64_t hd, const float* w, const float* base, int64_t m0, float* out, int64_t stride) {
+  V a0[RB], a1[RB];
+  for (int r = 0; r < RB; ++r) {
+    a0[r] = Splat(base[m0 + r]);
+    a1[r] = V{};
+  }
+  for (int64_t h = 0; h < hd; h += 2) {                  // hd is even (a multiple of 16)
+    const V c0 = cv[h], c1 = cv[h + 1];
+    for (int r = 0; r < RB; ++r) {
+      a0[r] += c0 * w[(m0 + r) * hd + h];
+      a1[r] += c1 * w[(m0 + r) * hd + h + 1];
+    }
+  }
+  for (int r = 0; r < RB; ++r) Store(out + (m0 + r) * stride, a0[r] + a1[r]);
+}
+
+// 1-bit keys by table lookups: nibble c of a slot's row (channels 4c .. 4c+3) indexes the 16-entry table
+// T_c[i] = Σ_{j<4} bit_j(i) · w[4c + j] of the row's query (one register; __builtin_shuffle is one vpermps on
+// AVX-512). idx[c] lane i = nibble c of slot i; tables [M, H/4].
+template <int RB>
+void KeyRowsNibbles(const VI* idx, int64_t n_nib, const V* tables, const float* base, int64_t m0, float* out,
+                    int64_t stride) {
+  V a0[RB], a1[RB];
+  for (int r = 0; r < RB; ++r) {
+    a0[r] = Splat(base[m0 + r]);
+    a1[r] = V{};
+  }
+  for (int64_t c = 0; c < n_nib; c += 2) {               // n_nib = H/4 is even
+    for (int r = 0; r < RB; ++r) {
+      a0[r] += __builtin_shuffle(tables[(m0 + r) * n_nib + c], idx[c]);
+      a1[r] += __builtin_shuffle(tables[(m0 + r) * n_nib + c + 1], idx[c + 1]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) Store(out + (m0 + r) * stride, a0[r] + a1[r]);
+}
+
+constexpr int kKeyRows = 8;    // rows per pass over a block's codes
+using KeyFn = void (*)(const V*, int64_t, const float*, const float*, int64_t, float*, int64_t);
+using NibbleFn = void (*)(const VI*, int64_t, const V*, const float*, int64_t, float*, int64_t);
+template <int... RBs>
+struct KeyFns {
+  static constexpr KeyFn dense[] = {KeyRows<RBs + 1>...};
+  static constexpr NibbleFn nibbles[] = {KeyRowsNibbles<RBs + 1>...};
+};
+template <int... RBs>
+constexpr KeyFns<RBs...> MakeKeyFns(std::integer_sequence<int, RBs...>) { return {}; }
+using KeyTable = decltype(MakeKeyFns(std::make_integer_sequence<int, kKeyRows>()));
+
+// o[m, 16j .. 16j+15] += Σ_i w[m, i] · code(slot i, channels 16j ..) for the chunk's first n slots, rows m0 ..
+// m0+RB-1 (RB accumulators), w = the probabilities times the slot's scale of that channel block's value group.
+// 1-bit codes select which lanes add w (no multiply).
+template <int BITS, int RB>
+void ValueBlock(const float* w, int64_t stride, int64_t m0, int64_t n, const uint8_t* codes, int64_t c_bytes,
+                int64_t j, float* o, int64_t hd) {
+  V acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = V{};
+  const uint8_t* col = codes + j * 2 * BITS;
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (BITS == 1) {
+      uint16_t bits16;
+      std::memcpy(&bits16, col + i * c_bytes, 2);
+      for (int r = 0; r < RB; ++r) acc[r] = MaskedAdd(acc[r], bits16, w[(m0 + r) * stride + i]);
+    } else {
+      const V cv = Codes16<BITS>(col + i * c_bytes);
+      for (int r = 0; r < RB; ++r) acc[r] += cv * w[(m0 + r) * stride + i];
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* dst = o + (m0 + r) * hd + j * 16;
+    Store(dst, Load(dst) + acc[r]);
+  }
+}
+
+// The same for value groups narrower than a channel block (g < 16): a scale vector per slot, built lane by lane.
+template <int BITS>
+void ValueBlockNarrow(const float* p, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
+                      const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd) {
+  for (int64_t j = 0; j < hd / 16; ++j)
+    for (int64_t i = 0; i < n; ++i) {
+      V sv;
+      for (int l = 0; l < 16; ++l) sv[l] = scale[i * n_groups + (j * 16 + l) / g];
+      const V cs = Codes16<BITS>(codes + i * c_bytes + j * 2 * BITS) * sv;
+      for (int64_t r = 0; r < m; ++r) {
+        float* dst = o + r * hd + j * 16;
+        Store(dst, Load(dst) + cs * p[r * stride + i]);
+      }
+    }
+}
+
+constexpr int kValueRows = 8;   // rows per pass over a channel block's codes
+using ValueFn = void (*)(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+template <int BITS, int... RBs>
+constexpr std::array<ValueFn, sizeof...(RBs)> ValueFns(std::integer_sequence<int, RBs...>) {
+  return {ValueBlock<BITS, RBs + 1>...};
+}
+
+// o[m, :] += Σ_i p[m, i] · code(slot i) · scale(slot i, group) over the chunk's first n slots (the codes' part of
+// Σ p·v̂; the zeros' part is the caller's). w: scratch [M, stride].
+template <int BITS>
+void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
+              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd) {
+  if (g % 16) {
+    ValueBlockNarrow<BITS>(p, stride, m, n, codes, c_bytes, scale, n_groups, g, o, hd);
+    return;
+  }
+  static constexpr auto kFns = ValueFns<BITS>(std::make_integer_sequence<int, kValueRows>());
+  for (int64_t qg = 0; qg < n_groups; ++qg) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i * n_groups + qg];
+    for (int64_t j = qg * g / 16; j < (qg + 1) * g / 16; ++j)
+      for (int64_t m0 = 0; m0 < m; m0 += kValueRows)
+        kFns[std::min<int64_t>(kValueRows, m - m0) - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
+  }
+}
+
+struct Shapes {
+  int64_t b, k, m, t, hd, s, c_bytes, p_groups, v_groups, x, e, g, chunk, n_chunks;
+};
+
+// Phase 1 for one (b, k, chunk): see the file comment. L: scratch [M, stride].
+template <int BITS>
+void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const uint8_t* kc, const float* ks,
+               const float* kz, const uint8_t* vc, const float* vs, const float* vz, int64_t len,
+               const int32_t* excl, float* c_max, float* c_sum, float* c_out, float* last_p) {
+  const int64_t s0 = ci * d.chunk, s1 = std::min(d.s, s0 + d.chunk);
+  const int64_t n = std::max<int64_t>(0, std::min(s1, len) - s0);
+  const int64_t m = d.m, hd = d.hd, n_rep = d.m / d.t;
+  float* mx = c_max + (bk * d.n_chunks + ci) * m;
+  float* zs = c_sum + (bk * d.n_chunks + ci) * m;
+  float* o = c_out + (bk * d.n_chunks + ci) * m * hd;
+  std::fill(o, o + m * hd, 0.f);
+  float* lp = last_p + bk * n_rep * d.s;
+  if (n == 0) {
+    std::fill(mx, mx + m, kNegInf);
+    std::fill(zs, zs + m, 0.f);
+    for (int64_t gi = 0; gi < n_rep; ++gi) std::fill(lp + gi * d.s + s0, lp + gi * d.s + s1, 0.f);
+    return;
+  }
+  const int64_t n16 = (n + 15) / 16 * 16;
+  const int64_t stride = n16 + 16;
+  std::vector<float> logits(m * stride);
+  std::vector<int32_t> ok(n16, 0);
+  std::fill(ok.begin(), ok.begin() + n, -1);
+  for (int64_t i = 0; i < d.x; ++i) {
+    const int64_t xs = excl[bk * d.x + i];
+    if (xs >= s0 && xs < s0 + n) ok[xs - s0] = 0;
+  }
+  // logits, one key group at a time (the query folded with the group's scales and zeros)
+  const int64_t n_nib = hd / 4;
+  std::vector<float> w(m * hd), base(m);
+  std::vector<V> tables(BITS == 1 ? m * n_nib : 0);
+  V cv[kMaxHeadDim];
+  VW words[kMaxHeadDim / 4];
+  VI idx[kMaxHeadDim / 4];
+  V bit_of[4];
+  for (int j = 0; j < 4; ++j) bit_of[j] = __builtin_convertvector((kIota >> j) & 1, V);
+  const float* qb = q + bk * m * hd;
+  for (int64_t gs = s0; gs < s0 + n; gs += d.g) {
+    const int64_t p = gs / d.g, ge = std::min(gs + d.g, s0 + n);
+    const float* sc = ks + (bk * d.p_groups + p) * hd;
+    const float* zr = kz + (bk * d.p_groups + p) * hd;
+    for (int64_t r = 0; r < m; ++r) {
+      V acc = V{};
+      for (int64_t h = 0; h < hd; h += 16) {
+        const V qv = Load(qb + r * hd + h);
+        Store(w.data() + r * hd + h, qv * Load(sc + h));
+        acc += qv * Load(zr + h);
+      }
+      base[r] = Sum(acc);
+      if constexpr (BITS == 1) {
+        const float* wr = w.data() + r * hd;
+        for (int64_t c = 0; c < n_nib; ++c)
+          tables[r * n_nib + c] = bit_of[0] * wr[4 * c] + bit_of[1] * wr[4 * c + 1] + bit_of[2] * wr[4 * c + 2] +
+                                  bit_of[3] * wr[4 * c + 3];
+      }
+    }
+    for (int64_t bs = gs; bs < ge; bs += 16) {
+      const int64_t nb = std::min<int64_t>(16, ge - bs);
+      SlotWords(kc + (bk * d.s + bs) * d.c_bytes, d.c_bytes, nb, words);
+      float* out = logits.data() + (bs - s0);
+      if constexpr (BITS == 1) {
+        for (int64_t c = 0; c < n_nib; ++c) idx[c] = VI((words[c / 8] >> (4 * (c % 8))) & 15u);
+      } else {
+        SlotCodes<BITS>(words, d.c_bytes, cv);
+      }
+      for (int64_t r = 0; r < m; r += kKeyRows) {
+        const int64_t rb = std::min<int64_t>(kKeyRows, m - r);
+        if constexpr (BITS == 1) {
+          KeyTable::nibbles[rb - 1](idx, n_nib, tables.data(), base.data(), r, out, stride);
+        } else {
+          KeyTable::dense[rb - 1](cv, hd, w.data(), base.data(), r, out, stride);
+        }
+      }
+    }
+  }
+  // softmax pieces per row: masked -> -inf, max, p = exp(l - max), Σ p
+  const V ninf = Splat(kNegInf);
+  for (int64_t r = 0; r < m; ++r) {
+    float* l = logits.data() + r * stride;
+    V vmax = ninf;
+    for (int64_t i = 0; i < n16; i += 16) {
+      VI okv;
+      std::memcpy(&okv, ok.data() + i, sizeof(okv));
+      const V v = okv ? Load(l + i) : ninf;
+      Store(l + i, v);
+      vmax = vmax > v ? vmax : v;
+    }
+    float row_max = kNegInf;
+    for (int lane = 0; lane < 16; ++lane) row_max = std::max(row_max, vmax[lane]);
+    mx[r] = row_max;
+    V vsum = V{};
+    if (row_max == kNegInf) {
+      std::fill(l, l + n16, 0.f);
+    } else {
+      for (int64_t i = 0; i < n16; i += 16) {
+        const V e = Exp(Load(l + i) - row_max);
+        Store(l + i, e);
+        vsum += e;
+      }
+    }
+    float total = 0.f;
+    for (int lane = 0; lane < 16; ++lane) total += vsum[lane];
+    zs[r] = total;
+  }
+  // Σ p · v̂: the codes' part per channel block, then the zeros' part Σ_i p_i z_{i, group}
+  std::vector<float> scaled(m * stride);
+  ValueSum<BITS>(logits.data(), scaled.data(), stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes,
+                 vs + (bk * d.s + s0) * d.v_groups, d.v_groups, d.g, o, hd);
+  const float* vzr = vz + (bk * d.s + s0) * d.v_groups;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* l = logits.data() + r * stride;
+    for (int64_t qg = 0; qg < d.v_groups; ++qg) {
+      float total = 0.f;
+      int64_t i = 0;
+      if (d.v_groups == 1) {                             // contiguous zeros: vectors, then the tail
+        V acc = V{};
+        for (; i + 16 <= n; i += 16) acc += Load(l + i) * Load(vzr + i);
+        total = Sum(acc);
+      }
+      for (; i < n; ++i) total += l[i] * vzr[i * d.v_groups + qg];
+      for (int64_t h = qg * d.g; h < (qg + 1) * d.g; ++h) o[r * hd + h] += total;
+    }
+  }
+  // the last row's unnormalised probabilities (phase 2 scales them)
+  for (int64_t gi = 0; gi < n_rep; ++gi) {
+    const float* l = logits.data() + (gi * d.t + d.t - 1) * stride;
+    std::copy(l, l + n, lp + gi * d.s + s0);
+    std::fill(lp + gi * d.s + s0 + n, lp + gi * d.s + s1, 0.f);
+  }
+}
+
+// Phase 2 for one (b, k): merge the chunks and the extra columns.
+void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, const float* ev, const uint8_t* emask,
+               const float* c_max, const float* c_sum, const float* c_out, const float* last_p, float* out,
+               float* p_low, float* p_extra) {
+  const int64_t m = d.m, hd = d.hd, e = d.e, nc = d.n_chunks, n_rep = d.m / d.t;
+  const float* qb = q + bk * m * hd;
+  std::vector<float> le(e), fac(nc * n_rep, 0.f), pe(e, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t = r % d.t;
+    float row_max = kNegInf;
+    for (int64_t j = 0; j < e; ++j) {
+      le[j] = kNegInf;
+      if (!emask[(bk * d.t + t) * e + j]) continue;
+      const float* kr = ek + (bk * e + j) * hd;
+      float acc = 0.f;
+      for (int64_t h = 0; h < hd; ++h) acc += qb[r * hd + h] * kr[h];
+      le[j] = acc;
+      row_max = std::max(row_max, acc);
+    }
+    for (int64_t c = 0; c < nc; ++c) row_max = std::max(row_max, c_max[(bk * nc + c) * m + r]);
+    float* orow = out + (bk * m + r) * hd;
+    if (row_max == kNegInf || std::isnan(row_max)) {
+      std::fill(orow, orow + hd, 0.f);
+      continue;
+    }
+    float z = 0.f;
+    float acc[kMaxHeadDim] = {0.f};
+    for (int64_t c = 0; c < nc; ++c) {
+      const float cm = c_max[(bk * nc + c) * m + r];
+      if (cm == kNegInf) continue;
+      const float f = std::exp(cm - row_max);
+      z += f * c_sum[(bk * nc + c) * m + r];
+      const float* co = c_out + ((bk * nc + c) * m + r) * hd;
+      for (int64_t h = 0; h < hd; ++h) acc[h] += f * co[h];
+    }
+    for (int64_t j = 0; j < e; ++j) {
+      if (le[j] == kNegInf) continue;
+      const float f = std::exp(le[j] - row_max);
+      le[j] = f;
+      z += f;
+      const float* vr = ev + (bk * e + j) * hd;
+      for (int64_t h = 0; h < hd; ++h) acc[h] += f * vr[h];
+    }
+    const float inv = 1.f / z;
+    for (int64_t h = 0; h < hd; ++h) orow[h] = acc[h] * inv;
+    if (t == d.t - 1) {                                  // the last row of head g = r / T
+      const int64_t gi = r / d.t;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float cm = c_max[(bk * nc + c) * m + r];
+        fac[c * n_rep + gi] = cm == kNegInf ? 0.f : std::exp(cm - row_max) * inv / n_rep;
+      }
+      for (int64_t j = 0; j < e; ++j)
+        if (le[j] != kNegInf) pe[j] += le[j] * inv / n_rep;
+    }
+  }
+  for (int64_t j = 0; j < e; ++j) p_extra[bk * e + j] = pe[j];
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t s0 = c * d.chunk, s1 = std::min(d.s, s0 + d.chunk);
+    float* dst = p_low + bk * d.s;
+    for (int64_t s = s0; s < s1; ++s) {
+      float acc = 0.f;
+      for (int64_t gi = 0; gi < n_rep; ++gi) acc += last_p[(bk * n_rep + gi) * d.s + s] * fac[c * n_rep + gi];
+      dst[s] = acc;
+    }
+  }
+}
+
+#define CHECK_ARG(cond, msg) \
+  if (!(cond)) return ffi::Error::InvalidArgument(std::string("mixed_decode_attention: ") + msg)
+
+ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t_rows, ffi::Buffer<ffi::F32> q,
+               ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> k_zero,
+               ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> v_zero,
+               ffi::Buffer<ffi::S32> lowbit_len, ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::F32> extra_k,
+               ffi::Buffer<ffi::F32> extra_v, ffi::Buffer<ffi::U8> extra_mask, ffi::ResultBuffer<ffi::F32> out,
+               ffi::ResultBuffer<ffi::F32> probs_low, ffi::ResultBuffer<ffi::F32> probs_extra) {
+  const auto qd = q.dimensions(), kd = k_codes.dimensions(), sd = k_scale.dimensions();
+  const auto vd = v_scale.dimensions(), xd = exclude.dimensions(), ed = extra_k.dimensions();
+  CHECK_ARG(qd.size() == 4 && kd.size() == 4 && sd.size() == 4 && vd.size() == 4 && xd.size() == 3 &&
+                ed.size() == 4, "ranks");
+  CHECK_ARG(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
+  Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], ed[2], group_size, 0, 0};
+  CHECK_ARG(d.t >= 1 && d.m % d.t == 0, "rows M must be G·T");
+  CHECK_ARG(d.hd == 16 || d.hd == 32 || d.hd == 64 || d.hd == 128, "head_dim must be 16, 32, 64 or 128");
+  CHECK_ARG(d.c_bytes * 8 == d.hd * bits && d.c_bytes % 4 == 0, "code bytes C must be H·b/8, a multiple of 4");
+  CHECK_ARG(d.g >= 1 && d.hd % d.g == 0 && d.v_groups * d.g == d.hd, "value groups must be H/g");
+  CHECK_ARG(d.p_groups * d.g >= d.s, "key groups P must cover S");
+  d.chunk = (kChunk + d.g - 1) / d.g * d.g;
+  d.n_chunks = std::max<int64_t>(1, (d.s + d.chunk - 1) / d.chunk);
+  const int64_t n_bk = d.b * d.k, n_rep = d.m / d.t;
+  std::vector<float> c_max(n_bk * d.n_chunks * d.m), c_sum(n_bk * d.n_chunks * d.m);
+  std::vector<float> c_out(n_bk * d.n_chunks * d.m * d.hd), last_p(n_bk * n_rep * d.s);
+  const float* qp = q.typed_data();
+  const uint8_t* kc = k_codes.typed_data();
+  const float *ks = k_scale.typed_data(), *kz = k_zero.typed_data();
+  const uint8_t* vc = v_codes.typed_data();
+  const float *vs = v_scale.typed_data(), *vz = v_zero.typed_data();
+  const int32_t *lens = lowbit_len.typed_data(), *excl = exclude.typed_data();
+  auto chunk_fn = [&](int64_t item) {
+    const int64_t bk = item / d.n_chunks, ci = item % d.n_chunks;
+    const int64_t len = std::min<int64_t>(d.s, std::max<int32_t>(0, lens[bk / d.k]));
+    using ChunkFn = decltype(&ChunkItem<1>);
+    const ChunkFn f = bits == 1 ? &ChunkItem<1> : bits == 2 ? &ChunkItem<2> : bits == 4 ? &ChunkItem<4> : &ChunkItem<8>;
+    f(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max.data(), c_sum.data(), c_out.data(), last_p.data());
+  };
+  specache_cpu::RunAll(pool, chunk_fn, n_bk * d.n_chunks);
+  float *op = out->typed_data(), *pl = probs_low->typed_data(), *pe = probs_extra->typed_data();
+  auto merge_fn = [&](int64_t bk) {
+    MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max.data(),
+              c_sum.data(), c_out.data(), last_p.data(), op, pl, pe);
+  };
+  specache_cpu::RunAll(pool, merge_fn, n_bk);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MixedDecodeAttention, Run,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("t_rows")
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q rows [B, K, M, H], scaled by sm_scale
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // k_codes [B, K, S, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scale [B, K, P, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_zero
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // v_codes [B, K, S, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scale [B, K, S, H/g]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_zero
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lowbit_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // exclude [B, K, X]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_k [B, K, E, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_v
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // extra_mask [B, K, T, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, K, M, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // last row's low-bit probabilities [B, K, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // last row's extra probabilities [B, K, E]

@@ -1,0 +1,131 @@
+"""`mixed_decode_attention` on XLA:CPU: the contract (and the float32 jnp reference) of
+`pallas_kernels.mixed_decode_attention`, as one custom call (`mixed_attention.cc`).
+
+A SpeCache decoding step's attention over the low-bit cache, the κ rows, the residual ring and the new tokens
+is ~100 small XLA ops per layer on the CPU (key scores, softmax, blockwise value sums, group means of the
+probabilities); at 8k slots they took ~35 of a step's ~85 thread-ms (SmolLM2-135M, 1-bit). The kernel reads
+the packed codes once per (KV head, chunk of slots) for all G·T query rows of the head and fuses the rest.
+
+`supports(...)` says which layouts it takes (b in {1, 2, 4, 8}; H in 16, 32, 64, 128; float32 scales
+are converted); SpeCache's attention takes it on the CPU backend where it applies (`caches/specache.py`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specache_jax import cpu_kernels as ck
+
+BITS = (1, 2, 4, 8)
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def supports(bits: int, group_size: int, head_dim: int) -> bool:
+  """Whether the kernel takes this layout: b in BITS, H in HEAD_DIMS with H·b/8 bytes a multiple of 4, g dividing
+  H (the value groups)."""
+  return (bits in BITS and head_dim in HEAD_DIMS and (head_dim * bits // 8) % 4 == 0
+          and group_size >= 1 and head_dim % group_size == 0)
+
+
+def applies(bits: int, group_size: int, head_dim: int) -> bool:
+  """Whether SpeCache's jnp attention takes the kernel: a layout it `supports`, the CPU as the default backend,
+  and the kernels built (`cpu_kernels.available()`; off with SPECACHE_JAX_CPU_KERNELS=0)."""
+  return supports(bits, group_size, head_dim) and jax.default_backend() == "cpu" and ck.available()
+
+
+def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v,
+           extra_mask, bits: int, group_size: int) -> None:
+  b, t, n, h = q.shape
+  if not supports(bits, group_size, h):
+    raise ValueError(f"mixed_decode_attention (CPU kernel): {bits=}, {group_size=}, head_dim={h} is not a layout "
+                     f"it takes (bits in {BITS}, head_dim in {HEAD_DIMS}, group_size "
+                     "dividing head_dim)")
+  if k_codes.ndim != 4 or k_codes.shape[0] != b or n % k_codes.shape[1]:
+    raise ValueError(f"k_codes.shape={k_codes.shape} must be [B={b}, K, S, C] with K dividing N={n}")
+  kh, s, c = k_codes.shape[1:]
+  if c * 8 != h * bits or k_codes.dtype != jnp.uint8 or v_codes.shape != k_codes.shape or v_codes.dtype != jnp.uint8:
+    raise ValueError(f"k_codes {k_codes.shape} {k_codes.dtype} / v_codes {v_codes.shape} {v_codes.dtype} must be "
+                     f"uint8 [B, K, S, C={h * bits // 8}]")
+  p = k_scale.shape[2] if k_scale.ndim == 4 else -1
+  for name, x in (("k_scale", k_scale), ("k_zero", k_zero)):
+    if x.shape != (b, kh, p, h) or p * group_size < s:
+      raise ValueError(f"{name}.shape={x.shape} must be [B, K, P >= ceil(S/g)={-(-s // group_size)}, H={h}]")
+  for name, x in (("v_scale", v_scale), ("v_zero", v_zero)):
+    if x.shape != (b, kh, s, h // group_size):
+      raise ValueError(f"{name}.shape={x.shape} must be [B, K, S, H/g] = {(b, kh, s, h // group_size)}")
+  if lowbit_len.shape != (b,) or not jnp.issubdtype(lowbit_len.dtype, jnp.integer):
+    raise ValueError(f"lowbit_len (shape={lowbit_len.shape}, dtype={lowbit_len.dtype}) must be int [B={b}]")
+  if exclude.ndim != 3 or exclude.shape[:2] != (b, kh) or not jnp.issubdtype(exclude.dtype, jnp.integer):
+    raise ValueError(f"exclude (shape={exclude.shape}, dtype={exclude.dtype}) must be int [B={b}, K={kh}, X]")
+  e = extra_k.shape[2] if extra_k.ndim == 4 else 0
+  for name, x in (("extra_k", extra_k), ("extra_v", extra_v)):
+    if x.shape != (b, kh, e, h) or e < 1:
+      raise ValueError(f"{name}.shape={x.shape} must be [B={b}, K={kh}, E>=1, H={h}] (same E for both)")
+  if extra_mask.shape != (b, kh, t, e) or extra_mask.dtype != jnp.bool_:
+    raise ValueError(f"extra_mask (shape={extra_mask.shape}, dtype={extra_mask.dtype}) must be bool "
+                     f"[B, K, T, E] = {(b, kh, t, e)}")
+
+
+def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
+                           extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float):
+  """Mixed-precision decode attention (`pallas_kernels.mixed_decode_attention`'s contract and reference).
+
+  q: [B, T, N, H]; k_codes, v_codes: uint8 [B, K, S, C] (C = H·bits/8); k_scale, k_zero: [B, K, P, H]
+  (P >= ceil(S/g)); v_scale, v_zero: [B, K, S, H/g]; lowbit_len: int [B]; exclude: int [B, K, X]
+  (-1 = none); extra_k, extra_v: [B, K, E, H]; extra_mask: bool [B, K, T, E].
+  Returns (out [B, T, N, H] in q.dtype, lowbit_probs f32 [B, K, S], extra_probs f32 [B, K, E]): the last row's
+  probabilities averaged over each KV head's G query heads. CPU backend only; on a CPU mesh the batch axis keeps
+  its sharding (everything else is gathered)."""
+  _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v, extra_mask,
+         bits, group_size)
+  if not ck.available():
+    raise RuntimeError(f"mixed_decode_attention: CPU kernels {ck.status()}")
+  b, t, n, h = q.shape
+  kh = k_codes.shape[1]
+  g = n // kh
+  f32 = jnp.float32
+  q_rows = jnp.transpose((q.astype(f32) * f32(sm_scale)).reshape(b, t, kh, g, h), (0, 2, 3, 1, 4))
+  args = (q_rows.reshape(b, kh, g * t, h), k_codes, k_scale.astype(f32), k_zero.astype(f32), v_codes,
+          v_scale.astype(f32), v_zero.astype(f32), lowbit_len.astype(jnp.int32), exclude.astype(jnp.int32),
+          extra_k.astype(f32), extra_v.astype(f32), extra_mask.astype(jnp.uint8))
+  out, p_low, p_extra = _batch_partitioned(bits, group_size, t)(*args)
+  out = jnp.transpose(out.reshape(b, kh, g, t, h), (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+  return out.astype(q.dtype), p_low, p_extra
+
+
+def _call(bits: int, group_size: int, t: int, q_rows, k_codes, *rest):
+  b, kh, m, h = q_rows.shape
+  s, e = k_codes.shape[2], rest[-3].shape[2]
+  outs = (jax.ShapeDtypeStruct((b, kh, m, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, s), jnp.float32),
+          jax.ShapeDtypeStruct((b, kh, e), jnp.float32))
+  return tuple(jax.ffi.ffi_call(ck.ATTENTION_TARGET, outs, vmap_method="sequential")(
+      q_rows, k_codes, *rest, bits=bits, group_size=group_size, t_rows=t))
+
+
+@functools.cache
+def _batch_partitioned(bits: int, group_size: int, t: int):
+  """The custom call for the SPMD partitioner: every operand's and result's leading (batch) axis keeps its
+  sharding, the other axes are gathered (each device attends for its own sequences)."""
+  local = functools.partial(_call, bits, group_size, t)
+  call = custom_partitioning(local)
+
+  def batch_sharding(mesh, shape):
+    spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else P()
+    return NamedSharding(mesh, P(spec[0] if len(spec) else None))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return (batch_sharding(mesh, arg_shapes[0]),) * 3
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows = batch_sharding(mesh, arg_shapes[0])
+    return mesh, local, (rows,) * 3, (rows,) * len(arg_shapes)
+
+  rule = ("b k m h, b k s c, b k p h, b k p h, b k s c, b k s v, b k s v, b, b k x, b k e h, b k e h, b k t e "
+          "-> b k m h, b k s, b k e")
+  call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("k", "m", "h", "s", "c", "p", "v", "x", "e", "t"))
+  return call

@@ -1,0 +1,160 @@
+"""The XLA:CPU mixed-precision attention kernel against the float32 jnp reference of its contract
+(`pallas_kernels.mixed_decode_attention_reference`), and SpeCache's decoding steps through it."""
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from pallas_kernels import testing
+from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
+from specache_jax import cpu_kernels as ck
+from specache_jax.cpu_kernels import mixed_attention as cka
+from specache_jax.model import decoder
+from tests.tiny import random_prompts, tiny_model
+
+needs_kernel = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels {ck.status()}")
+
+LAYOUTS = [(1, 64, 64), (1, 128, 32), (1, 32, 16), (1, 64, 4), (2, 16, 8), (2, 64, 64), (4, 32, 32), (8, 64, 16)]
+
+
+def _compare(args, bits, group_size, sm_scale=0.3):
+  kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale)
+  got = jax.jit(functools.partial(cka.mixed_decode_attention, **kw))(*args)
+  want = mixed_decode_attention_reference(*args, **kw)
+  for name, g, w in zip(("out", "lowbit_probs", "extra_probs"), got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and np.isfinite(g).all(), name
+    np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(float(np.abs(w).max()), 1e-3), err_msg=name)
+  return got
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("bits,head_dim,group_size", LAYOUTS, ids=lambda x: str(x))
+def test_kernel_matches_reference(bits, head_dim, group_size, t):
+  """Fresh random caches poisoned past their lengths (NaN scales), ragged lengths across chunk boundaries (1024
+  slots) and not multiples of g or 16, duplicated and out-of-range exclusions, random extra masks."""
+  seed = 100 * bits + head_dim + 7 * group_size + t
+  slots = 2500 + 3 * group_size
+  args = testing.mixed_inputs(seed, batch=3, t=t, kv_heads=2, gqa=3, slots=slots, head_dim=head_dim, bits=bits,
+                              group_size=group_size, lengths=[slots - 5, 1031, 17], n_exclude=9, n_extra=21)
+  _compare(args, bits, group_size)
+
+
+@needs_kernel
+def test_kernel_rows_with_nothing_to_attend_give_zeros():
+  """lowbit_len 0 and no extra column for some rows: output 0 and probabilities 0, never NaN (as the reference)."""
+  args = list(testing.mixed_inputs(3, batch=2, t=2, kv_heads=2, gqa=2, slots=96, head_dim=32, bits=1, group_size=16,
+                                   lengths=[0, 40], n_exclude=3, n_extra=5))
+  mask = np.asarray(args[11]).copy()
+  mask[0] = False                                            # sequence 0: nothing at all
+  mask[1, 0, 1] = False                                      # sequence 1, head 0, last row: low-bit columns only
+  args[11] = jnp.asarray(mask)
+  out, p_low, p_extra = _compare(args, 1, 16)
+  assert not np.asarray(out)[0].any() and not np.asarray(p_low)[0].any() and not np.asarray(p_extra)[0].any()
+  np.testing.assert_allclose(np.asarray(p_low)[1, 0].sum(), 1.0, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_names_bad_inputs():
+  args = list(testing.mixed_inputs(0, batch=1, t=2, kv_heads=1, gqa=2, slots=64, head_dim=32, bits=1, group_size=16,
+                                   lengths=[40], n_exclude=2, n_extra=3))
+  call = functools.partial(cka.mixed_decode_attention, bits=1, group_size=16, sm_scale=1.0)
+  with pytest.raises(ValueError, match="head_dim=48 is not a layout it takes"):
+    cka.mixed_decode_attention(jnp.ones((1, 2, 2, 48)), *args[1:], bits=1, group_size=16, sm_scale=1.0)
+  with pytest.raises(ValueError, match=r"v_scale.shape=\(1, 1, 63, 2\) must be \[B, K, S, H/g\]"):
+    call(*args[:5], args[5][:, :, :63], *args[6:])
+  with pytest.raises(ValueError, match=r"extra_mask .*dtype=int32.* must be bool"):
+    call(*args[:11], args[11].astype(jnp.int32))
+  with pytest.raises(ValueError, match=r"lowbit_len .* must be int \[B=1\]"):
+    call(*args[:7], jnp.zeros((2,), jnp.int32), *args[8:])
+  assert not cka.supports(1, 8, 16) and cka.supports(2, 8, 16) and not cka.supports(1, 48, 48)
+
+
+def _specache(**kw):
+  return sj.cache_config("specache", **dict(dict(bits=1, group_size=16, residual=16, topk=8), **kw))
+
+
+def _kernel_off():
+  """A context for tracing with the CPU kernels off."""
+  class Off:
+    def __enter__(self):
+      os.environ[ck.ENV_SWITCH] = "0"
+      ck._load.cache_clear()
+
+    def __exit__(self, *exc):
+      os.environ.pop(ck.ENV_SWITCH, None)
+      ck._load.cache_clear()
+  return Off()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2)])
+def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
+  """A decoding step (two sequences, ragged; SpeCache simulated, and KIVI) with the kernel and with the jnp ops:
+  the same logits and cache (SpeCache's κ included); lowered for a GPU the kernel is not emitted."""
+  model = tiny_model(seed=8, head_dim=32)
+  cfg = model.config
+  method = _specache(bits=bits) if name == "specache" else sj.cache_config("kivi", bits=bits, group_size=16,
+                                                                          residual=16)
+  prompts = random_prompts(2, [70, 45], cfg.vocab_size)
+  tokens = jnp.asarray([p + [0] * (70 - len(p)) for p in prompts], jnp.int32)
+  cache = sj.decode.init_cache(method, cfg, 2, method.slots(96), jnp.float32)
+  _, cache, _ = decoder.forward_jit(model.params, cfg, tokens, cache, method, "prefill",
+                                    jnp.asarray([70, 45], jnp.int32))
+  if method.uses_predecode:
+    _, cache, _ = decoder.forward_jit(model.params, cfg, jnp.asarray([[3], [4]]), cache, method, "predecode")
+  step = jnp.asarray([[3, 7], [4, 1]], jnp.int32)[:, :method.decode_width]
+
+  def run(x, c):
+    return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]
+
+  with_kernel = jax.jit(run)
+  assert ck.ATTENTION_TARGET in with_kernel.trace(step, cache).lower().as_text()
+  lowered_gpu = jax.jit(run).trace(step, cache).lower(lowering_platforms=("cuda",)).as_text()
+  assert ck.ATTENTION_TARGET not in lowered_gpu
+  without = jax.jit(lambda x, c: run(x, c))
+  with _kernel_off():
+    assert ck.ATTENTION_TARGET not in without.trace(step, cache).lower().as_text()
+    want = without(step, cache)
+  got = with_kernel(step, cache)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_path_generation_equals_full_when_k_covers_the_context_and_offload_agrees():
+  """Through the kernel: k >= n gives the full cache's tokens; offloaded gives the simulated path's tokens
+  (greedy, ragged batch)."""
+  model = tiny_model(seed=9, head_dim=32)
+  prompts = random_prompts(6, [40, 23, 57], model.config.vocab_size)
+  full = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=())
+  big = sj.generate(model, prompts, max_new_tokens=10, cache=_specache(topk=96), stop_tokens=())
+  np.testing.assert_array_equal(big.tokens, full.tokens)
+  sim = sj.generate(model, prompts, max_new_tokens=10, cache=_specache(), stop_tokens=())
+  off = sj.generate(model, prompts, max_new_tokens=10, cache=_specache(offload=True), stop_tokens=())
+  np.testing.assert_array_equal(off.tokens, sim.tokens)
+
+
+@needs_kernel
+def test_kernel_on_a_mesh_keeps_the_batch_sharded():
+  """custom_partitioning: the batch axis stays on "data", the rest is gathered; the numbers are unchanged."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from specache_jax import sharding
+  mesh = sharding.make_mesh(2, 2)
+  args = testing.mixed_inputs(4, batch=4, t=2, kv_heads=2, gqa=2, slots=80, head_dim=32, bits=1, group_size=16,
+                              lengths=[80, 33, 5, 61], n_exclude=4, n_extra=6)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))))
+  kw = dict(bits=1, group_size=16, sm_scale=0.5)
+  fn = jax.jit(functools.partial(cka.mixed_decode_attention, **kw))
+  sharded = [put(x) for x in args]
+  assert ck.ATTENTION_TARGET in fn.lower(*sharded).compile().as_text()
+  got = fn(*sharded)
+  want = mixed_decode_attention_reference(*args, **kw)
+  assert got[0].sharding.spec[0] == "data" and got[1].sharding.spec[0] == "data"
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * float(np.abs(w).max()))
