@@ -110,9 +110,13 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
       try:
         cache = states.build_cache(captured, lengths, cfg=cfg, method=method, max_len=slots)
         carry = timing.block(states.first_decode_input(model.params, first, cache, cfg=cfg, method=method))
-        # the library's greedy step, in a jit of its own so that it is traced (and compiled) under the switch
-        fn = functools.partial(jax.jit(throughput.decode_step_jit.__wrapped__, static_argnames=("cfg", "method"),
-                                       donate_argnums=(2,)), cfg=cfg, method=method)
+        # the library's greedy step, traced (and compiled) under the switch: a fresh function per setting, since
+        # jax reuses a trace across jit objects of the same function (the switch is read while tracing)
+        step = lambda *a, **k: throughput.decode_step_jit.__wrapped__(*a, **k)   # noqa: E731
+        fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
+                               method=method)
+        if (ck.TARGET in fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()) != kernels:
+          raise AssertionError(f"{label}: the step traced with kernels={kernels} does not match the switch")
         carry = timing.block(fn(lp, *carry))
       finally:
         os.environ.pop(ck.ENV_SWITCH, None)

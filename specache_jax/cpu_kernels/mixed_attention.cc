@@ -14,7 +14,8 @@
 //      codes of a 16-slot block are unpacked once per channel and used by every row), the chunk's max and
 //      exp-sum per row, Σ p·v̂ over the chunk (codes unpacked once per slot, used by every row), and the
 //      last row's unnormalised probabilities.
-//   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities.
+//   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities (run by the
+//      thread that finishes the head's last chunk).
 // Slots at or past lowbit_len are never read (their scales may be NaN); a row with every column masked gives
 // output 0 and probabilities 0. float32 throughout; the exp is cephes' expf polynomial (~1 ulp).
 #include <array>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -447,12 +449,19 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
     }
   }
   for (int64_t j = 0; j < e; ++j) p_extra[bk * e + j] = pe[j];
+  float* dst = p_low + bk * d.s;
+  const float* lp = last_p + bk * n_rep * d.s;
   for (int64_t c = 0; c < nc; ++c) {
     const int64_t s0 = c * d.chunk, s1 = std::min(d.s, s0 + d.chunk);
-    float* dst = p_low + bk * d.s;
-    for (int64_t s = s0; s < s1; ++s) {
+    int64_t s = s0;
+    for (; s + 16 <= s1; s += 16) {
+      V acc = V{};
+      for (int64_t gi = 0; gi < n_rep; ++gi) acc += Load(lp + gi * d.s + s) * fac[c * n_rep + gi];
+      Store(dst + s, acc);
+    }
+    for (; s < s1; ++s) {
       float acc = 0.f;
-      for (int64_t gi = 0; gi < n_rep; ++gi) acc += last_p[(bk * n_rep + gi) * d.s + s] * fac[c * n_rep + gi];
+      for (int64_t gi = 0; gi < n_rep; ++gi) acc += lp[gi * d.s + s] * fac[c * n_rep + gi];
       dst[s] = acc;
     }
   }
@@ -481,28 +490,36 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   d.chunk = (kChunk + d.g - 1) / d.g * d.g;
   d.n_chunks = std::max<int64_t>(1, (d.s + d.chunk - 1) / d.chunk);
   const int64_t n_bk = d.b * d.k, n_rep = d.m / d.t;
-  std::vector<float> c_max(n_bk * d.n_chunks * d.m), c_sum(n_bk * d.n_chunks * d.m);
-  std::vector<float> c_out(n_bk * d.n_chunks * d.m * d.hd), last_p(n_bk * n_rep * d.s);
+  // Scratch, reused across calls by the calling thread (no page faults of fresh large allocations per call).
+  thread_local std::vector<float> scratch;
+  const int64_t n_max = n_bk * d.n_chunks * d.m;
+  const size_t need = 2 * n_max + n_max * d.hd + n_bk * n_rep * d.s;
+  if (scratch.size() < need) scratch.resize(need);
+  float* c_max = scratch.data();
+  float* c_sum = c_max + n_max;
+  float* c_out = c_sum + n_max;
+  float* last_p = c_out + n_max * d.hd;
   const float* qp = q.typed_data();
   const uint8_t* kc = k_codes.typed_data();
   const float *ks = k_scale.typed_data(), *kz = k_zero.typed_data();
   const uint8_t* vc = v_codes.typed_data();
   const float *vs = v_scale.typed_data(), *vz = v_zero.typed_data();
   const int32_t *lens = lowbit_len.typed_data(), *excl = exclude.typed_data();
-  auto chunk_fn = [&](int64_t item) {
+  float *op = out->typed_data(), *pl = probs_low->typed_data(), *pe = probs_extra->typed_data();
+  using ChunkFn = decltype(&ChunkItem<1>);
+  const ChunkFn chunk = bits == 1 ? &ChunkItem<1> : bits == 2 ? &ChunkItem<2> : bits == 4 ? &ChunkItem<4> : &ChunkItem<8>;
+  // Phase 2 of a (b, k) runs on the thread that finishes its last chunk: no second round of tasks.
+  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[n_bk]);
+  for (int64_t i = 0; i < n_bk; ++i) chunks_left[i].store(d.n_chunks, std::memory_order_relaxed);
+  auto item_fn = [&](int64_t item) {
     const int64_t bk = item / d.n_chunks, ci = item % d.n_chunks;
     const int64_t len = std::min<int64_t>(d.s, std::max<int32_t>(0, lens[bk / d.k]));
-    using ChunkFn = decltype(&ChunkItem<1>);
-    const ChunkFn f = bits == 1 ? &ChunkItem<1> : bits == 2 ? &ChunkItem<2> : bits == 4 ? &ChunkItem<4> : &ChunkItem<8>;
-    f(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max.data(), c_sum.data(), c_out.data(), last_p.data());
+    chunk(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max, c_sum, c_out, last_p);
+    if (chunks_left[bk].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max, c_sum, c_out,
+                last_p, op, pl, pe);
   };
-  specache_cpu::RunAll(pool, chunk_fn, n_bk * d.n_chunks);
-  float *op = out->typed_data(), *pl = probs_low->typed_data(), *pe = probs_extra->typed_data();
-  auto merge_fn = [&](int64_t bk) {
-    MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max.data(),
-              c_sum.data(), c_out.data(), last_p.data(), op, pl, pe);
-  };
-  specache_cpu::RunAll(pool, merge_fn, n_bk);
+  specache_cpu::RunAll(pool, item_fn, n_bk * d.n_chunks);
   return ffi::Error::Success();
 }
 
