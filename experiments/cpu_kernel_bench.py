@@ -1,4 +1,4 @@
-"""The XLA:CPU skinny-matmul kernel (`specache_jax.cpu_kernels`) vs XLA's dot on this CPU, in two parts:
+"""The XLA:CPU kernels (`specache_jax.cpu_kernels`: skinny matmul, mixed low-bit attention) vs XLA on this CPU:
 
   python -m experiments.cpu_kernel_bench --out=results/cpu_kernels           # writes .json and .md
   python -m experiments.cpu_kernel_bench --out=/tmp/ck --contexts=256 --batches=1 --rounds=2 --steps=1  # smoke
@@ -7,8 +7,9 @@ products  a decoding step's weight products alone (SmolLM2-135M shapes, random f
           q/k/v in one product, o, gate/up in one, down; 30 layers; the tied LM head), M rows, XLA's dot vs the
           kernel for every M (whatever `cpu_kernels.use_kernel` picks); GB/s and × the machine's read floor.
 steps     whole greedy decoding steps of the library (random weights and a random cache state of `--contexts`
-          tokens, as peer_bench's scaling curve) with the kernels on (what `dense` picks) vs off
-          (SPECACHE_JAX_CPU_KERNELS=0 while tracing): the same steps, interleaved round by round.
+          tokens, as peer_bench's scaling curve) with every kernel (what the library picks), with the matmul kernel
+          alone (low-bit attention by XLA; SpeCache and KIVI) and with none (SPECACHE_JAX_CPU_KERNELS=0 while
+          tracing): the same steps, interleaved round by round.
 Every variant's output is checked against XLA's before timing (products: ≤ 1e-4 relative; steps: the same
 greedy tokens over the first step).
 """
@@ -27,6 +28,7 @@ from absl import app, flags
 
 from configs import peer_bench as peer_bench_config
 from specache_jax import cpu_kernels as ck
+from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.bench import machine, models as bench_models, peer, states, throughput, timing
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.experiments_lib.store import atomic_write_text
@@ -41,6 +43,17 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "2", "4"], "steps: batch sizes")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "timed rounds (median reported)")
 _STEPS = flags.DEFINE_integer("steps", 4, "steps: decoding steps per round, back to back")
 SHAPE = "smollm2-135m"
+# whole steps with: every kernel (what the library picks), the matmul kernel alone (attention by XLA), none
+VARIANTS = ("kernel", "matmul", "xla")
+
+
+def _expected(variant: str, method, batch: int) -> tuple[bool, bool]:
+  """(skinny matmul, mixed attention) custom calls a step traced as `variant` must have."""
+  rows = batch * method.decode_width
+  matmul = variant != "xla" and (ck.use_kernel(rows, False) or ck.use_kernel(rows, True))
+  attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
+      method.bits, method.group_size, 64)
+  return matmul, attention
 
 
 def _rounds(fns: dict, rounds: int) -> dict:
@@ -104,9 +117,12 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
   for label in method_labels:
     method = exp_methods.build(config, label, cfg, slots, jnp.float32)
     firsts = {}
-    for kernels in (True, False):
-      os.environ[ck.ENV_SWITCH] = "1" if kernels else "0"
+    for variant in VARIANTS if method.name in ("specache", "kivi") else ("kernel", "xla"):
+      os.environ[ck.ENV_SWITCH] = "0" if variant == "xla" else "1"
       ck._load.cache_clear()
+      applies = cpu_attention.applies
+      if variant == "matmul":
+        cpu_attention.applies = lambda *a: False                 # the attention kernel off while tracing
       try:
         cache = states.build_cache(captured, lengths, cfg=cfg, method=method, max_len=slots)
         carry = timing.block(states.first_decode_input(model.params, first, cache, cfg=cfg, method=method))
@@ -115,26 +131,32 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
         step = lambda *a, **k: throughput.decode_step_jit.__wrapped__(*a, **k)   # noqa: E731
         fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
                                method=method)
-        if (ck.TARGET in fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()) != kernels:
-          raise AssertionError(f"{label}: the step traced with kernels={kernels} does not match the switch")
+        text = fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()
+        if (ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch):
+          raise AssertionError(f"{label}: the step traced as {variant!r} does not have the kernels it should")
         carry = timing.block(fn(lp, *carry))
       finally:
         os.environ.pop(ck.ENV_SWITCH, None)
         ck._load.cache_clear()
-      name = f"{label} {'kernel' if kernels else 'xla'}"
-      firsts[kernels] = np.asarray(carry[0])
+        cpu_attention.applies = applies
+      name = f"{label} {variant}"
+      firsts[variant] = np.asarray(carry[0])
       carries[name] = carry
       fns[name] = lambda name=name, fn=fn: _chain(fn, lp, carries, name, n_steps)
-    if not np.array_equal(firsts[True], firsts[False]):
+    if any(not np.array_equal(firsts["kernel"], f) for f in firsts.values()):
       raise AssertionError(f"{label}: the first greedy step differs with and without the kernels")
   del captured
   samples = _rounds(fns, rounds)
   for label in method_labels:
     rec = {}
-    for variant in ("kernel", "xla"):
+    for variant in VARIANTS:
+      if f"{label} {variant}" not in samples:
+        continue
       s = [v / n_steps for v in samples[f"{label} {variant}"]]
       rec[variant] = {"ms_per_step": statistics.median(s) * 1e3, "samples_ms": [round(v * 1e3, 2) for v in s]}
     rec["kernel_vs_xla"] = rec["kernel"]["ms_per_step"] / rec["xla"]["ms_per_step"]
+    if "matmul" in rec:
+      rec["kernel_vs_matmul"] = rec["kernel"]["ms_per_step"] / rec["matmul"]["ms_per_step"]
     out[label] = rec
   return out
 
@@ -161,14 +183,16 @@ def _markdown(rep: dict) -> str:
     cell = lambda v: f"{v['ms']:.2f} ({v['GBps']:.1f}, {v['x_floor']:.2f}×)"
     lines.append(f"| {p['rows']} | {p['weight_bytes'] / 2**20:.0f} MiB | {cell(p['xla'])} | {cell(p['kernel'])} "
                  f"| {p['kernel_vs_xla']:.2f} |")
-  lines += ["", "## Whole decoding steps, kernels on (what `dense` picks) vs off", "",
-            "| S | B | method | rows per product | kernels ms/step | XLA ms/step | kernels ÷ XLA |",
-            "|---|---|---|---|---|---|---|"]
+  lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention by XLA) / none", "",
+            "| S | B | method | rows per product | kernels ms/step | matmul kernel only | XLA ms/step | kernels ÷ XLA "
+            "| kernels ÷ matmul only |", "|---|---|---|---|---|---|---|---|---|"]
   for c in rep["steps"]:
     for label, r in c["methods"].items():
       rows = c["B"] * (2 if label.startswith("specache") else 1)
-      lines.append(f"| {c['S']} | {c['B']} | {label} | {rows} | {r['kernel']['ms_per_step']:.1f} | "
-                   f"{r['xla']['ms_per_step']:.1f} | {r['kernel_vs_xla']:.2f} |")
+      mm = f"{r['matmul']['ms_per_step']:.1f}" if "matmul" in r else "–"
+      ratio = f"{r['kernel_vs_matmul']:.2f}" if "matmul" in r else "–"
+      lines.append(f"| {c['S']} | {c['B']} | {label} | {rows} | {r['kernel']['ms_per_step']:.1f} | {mm} | "
+                   f"{r['xla']['ms_per_step']:.1f} | {r['kernel_vs_xla']:.2f} | {ratio} |")
   return "\n".join(lines) + "\n"
 
 
@@ -196,7 +220,7 @@ def main(argv):
               "methods": steps(model, _METHODS.value, context, batch, _ROUNDS.value, _STEPS.value)}
       rep["steps"].append(cell)
       print(f"steps S={context} B={batch}: " + ", ".join(
-          f"{k} {v['kernel']['ms_per_step']:.1f} vs {v['xla']['ms_per_step']:.1f} ms" for k, v in
+          f"{k} " + " / ".join(f"{v[x]['ms_per_step']:.1f}" for x in VARIANTS if x in v) + " ms" for k, v in
           cell["methods"].items()))
   rep["meta"]["load_end"] = timing.load_average()
   atomic_write_text(_OUT.value + ".json", json.dumps(rep, indent=1))
