@@ -9,23 +9,23 @@
 // Returns every row's output, and the last row's (t = T-1) probabilities averaged over the G heads, split into
 // the low-bit part [S] (0 where not attended) and the extra part [E].
 //
-// Two phases, each a set of work items on the calling thread + XLA's intra-op pool (common.h):
-//   1. (b, k, chunk of kChunk slots): logits of all M rows for the chunk's slots (16 slots at a time: the
-//      codes of a 16-slot block are unpacked once per channel and used by every row), the chunk's max and
-//      exp-sum per row, Σ p·v̂ over the chunk (codes unpacked once per slot, used by every row), and the
-//      last row's unnormalised probabilities.
+// Work items (b, k, chunk of kChunk slots) on the calling thread + XLA's intra-op pool (common.h), two phases:
+//   1. per item: logits of all M rows for the chunk's slots (16 slots at a time: a block's codes are unpacked
+//      once and scored for every row; 1-bit by nibble tables), the chunk's max and exp-sum per row, Σ p·v̂ over
+//      the chunk (each slot's codes read once per 16-channel block for every row; 1-bit by masked adds), and
+//      the last row's unnormalised probabilities.
 //   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities (run by the
 //      thread that finishes the head's last chunk).
 // Slots at or past lowbit_len are never read (their scales may be NaN); a row with every column masked gives
 // output 0 and probabilities 0. float32 throughout; the exp is cephes' expf polynomial (~1 ulp).
 #include <array>
 #include <cmath>
-#include <utility>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"

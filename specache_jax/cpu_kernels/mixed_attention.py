@@ -7,7 +7,8 @@ probabilities); at 8k slots they took ~35 of a step's ~85 thread-ms (SmolLM2-135
 the packed codes once per (KV head, chunk of slots) for all G·T query rows of the head and fuses the rest.
 
 `supports(...)` says which layouts it takes (b in {1, 2, 4, 8}; H in 16, 32, 64, 128; float32 scales
-are converted); SpeCache's attention takes it on the CPU backend where it applies (`caches/specache.py`).
+are converted); SpeCache's and KIVI's jnp attention take it on the CPU backend where it `applies`
+(`caches/specache.py`, `caches/kivi.py`).
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def supports(bits: int, group_size: int, head_dim: int) -> bool:
 
 
 def applies(bits: int, group_size: int, head_dim: int) -> bool:
-  """Whether SpeCache's jnp attention takes the kernel: a layout it `supports`, the CPU as the default backend,
-  and the kernels built (`cpu_kernels.available()`; off with SPECACHE_JAX_CPU_KERNELS=0)."""
+  """Whether SpeCache's and KIVI's jnp attention take the kernel: a layout it `supports`, the CPU as the default
+  backend, and the kernels built (`cpu_kernels.available()`; off with SPECACHE_JAX_CPU_KERNELS=0)."""
   return supports(bits, group_size, head_dim) and jax.default_backend() == "cpu" and ck.available()
 
 
