@@ -170,7 +170,7 @@ def _chain(fn, lp, carries: dict, name: str, n: int):
 
 def _markdown(rep: dict) -> str:
   m = rep["meta"]
-  lines = ["# The CPU skinny-matmul kernel vs XLA's dot (specache_jax.cpu_kernels)", "",
+  lines = ["# The CPU kernels vs XLA (specache_jax.cpu_kernels: skinny matmul, mixed low-bit attention)", "",
            f"Command: `{m['command']}`", "",
            f"- machine: {m['machine']}; read bandwidth {m['bandwidth_GBps']:.1f} GB/s (best of "
            f"{', '.join(m['bandwidth_of'])}); load average at start {m['load_start']}, at end {m['load_end']}",
