@@ -6,11 +6,15 @@ for two (measured on the 2-core AVX-512 machine for [576, 1536] float32; numpy a
 SpeCache step decodes two rows per sequence (the real and the speculative token). The kernel reads each weight
 once for all M rows (`skinny_matmul.cc`).
 
-The C++ source is compiled on first use with the machine's C++ compiler (`-O3 -march=native`) against the
-XLA FFI headers of the installed jaxlib, into a cache folder (`$SPECACHE_JAX_KERNEL_CACHE`, default
-`~/.cache/specache_jax/kernels`) keyed by the source, the jaxlib version and the compiler. Where that fails (no
-compiler) the models keep XLA's dot and `status()` says why; `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels
-off. They run on the CPU backend only: `dense` lowers to XLA's dot for every other platform.
+`mixed_attention.mixed_decode_attention`: the low-bit + 16-bit decode attention of SpeCache and KIVI with the
+contract of the Pallas kernel of that name (`mixed_attention.cc`; its own module, this one is the loader).
+
+The C++ sources are compiled on first use, into one library, with the machine's C++ compiler (`-O3
+-march=native`) against the XLA FFI headers of the installed jaxlib, into a cache folder
+(`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
+and the compiler. Where that fails (no compiler) the models keep XLA's ops and `status()` says why;
+`SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
+XLA's ops for every other platform (`lax.platform_dependent`).
 
 Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
 device multiplies its own rows), the weights are gathered where they are sharded (correct; the per-device
