@@ -53,7 +53,8 @@ class SpeCacheConfig(CacheConfig):
   track_hits: bool = False      # also compute the real query's exact top-k over 16-bit keys (hit rates)
   exact_on_miss: bool = False   # project extension: when the speculative token was wrong, fetch the real
                                 # token's own top-k synchronously before attention (an "exact" fetch)
-  attention_impl: str = "jnp"   # jnp | pallas | pallas_interpret (pallas_kernels/mixed_decode_attention)
+  attention_impl: str = "jnp"   # jnp (XLA:CPU: the CPU kernel where it applies) | pallas | pallas_interpret
+                                # (pallas_kernels/mixed_decode_attention; cpu_kernels/mixed_attention)
   # Robust speculation (project extensions, each off by default and composable; the faithful method is the default):
   skip_ring: bool = False       # κ candidates exclude positions the attend that uses κ reads in 16-bit anyway (ring)
   hedge: int = 0                # of the k rows of κ_{t+1}, this many are the real row's top-k, the rest the
