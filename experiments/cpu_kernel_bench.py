@@ -47,12 +47,12 @@ SHAPE = "smollm2-135m"
 VARIANTS = ("kernel", "matmul", "xla")
 
 
-def _expected(variant: str, method, batch: int) -> tuple[bool, bool]:
+def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bool]:
   """(skinny matmul, mixed attention) custom calls a step traced as `variant` must have."""
   rows = batch * method.decode_width
   matmul = variant != "xla" and (ck.use_kernel(rows, False) or ck.use_kernel(rows, True))
   attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
-      method.bits, method.group_size, 64)
+      method.bits, method.group_size, head_dim)
   return matmul, attention
 
 
@@ -132,7 +132,7 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
         fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
                                method=method)
         text = fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()
-        if (ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch):
+        if (ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch, cfg.head_dim):
           raise AssertionError(f"{label}: the step traced as {variant!r} does not have the kernels it should")
         carry = timing.block(fn(lp, *carry))
       finally:

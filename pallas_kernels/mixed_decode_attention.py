@@ -169,8 +169,16 @@ def _dot_dtype(dtype):
 
 def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
                   extra_v, extra_mask, bits, group_size, block):
+  _common.check_quant_layout(bits, group_size, q.shape[-1], block.block_s)
+  check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v,
+               extra_mask, bits, group_size)
+
+
+def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v,
+                 extra_mask, bits, group_size):
+  """The shapes and dtypes of `mixed_decode_attention`'s contract (also the CPU kernel's,
+  `specache_jax.cpu_kernels.mixed_attention`); each error names the value and the rule."""
   b, t, n, h = q.shape
-  _common.check_quant_layout(bits, group_size, h, block.block_s)
   kh, s = k_codes.shape[1], k_codes.shape[2]
   if k_codes.shape[0] != b or n % kh:
     raise ValueError(f"k_codes.shape={k_codes.shape} must be [B={b}, K, S, C] with K dividing N={n}")

@@ -98,7 +98,7 @@ inline void SlotWords(const uint8_t* codes, int64_t c_bytes, int64_t n, VW* word
 template <int BITS>
 inline void SlotCodes(const VW* words, int64_t c_bytes, V* cv) {
   constexpr int kPerWord = 32 / BITS;
-  constexpr uint32_t kMask = BITS == 32 ? ~0u : (1u << BITS) - 1;
+  constexpr uint32_t kMask = (1u << BITS) - 1;
   for (int64_t w = 0; w < c_bytes / 4; ++w)
     for (int j = 0; j < kPerWord; ++j)
       cv[w * kPerWord + j] = __builtin_convertvector(VI((words[w] >> (j * BITS)) & kMask), V);

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.mixed_decode_attention import check_arrays
 from specache_jax import cpu_kernels as ck
 
 BITS = (1, 2, 4, 8)
@@ -40,35 +41,12 @@ def applies(bits: int, group_size: int, head_dim: int) -> bool:
 
 def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v,
            extra_mask, bits: int, group_size: int) -> None:
-  b, t, n, h = q.shape
+  h = q.shape[-1]
   if not supports(bits, group_size, h):
     raise ValueError(f"mixed_decode_attention (CPU kernel): {bits=}, {group_size=}, head_dim={h} is not a layout "
-                     f"it takes (bits in {BITS}, head_dim in {HEAD_DIMS}, group_size "
-                     "dividing head_dim)")
-  if k_codes.ndim != 4 or k_codes.shape[0] != b or n % k_codes.shape[1]:
-    raise ValueError(f"k_codes.shape={k_codes.shape} must be [B={b}, K, S, C] with K dividing N={n}")
-  kh, s, c = k_codes.shape[1:]
-  if c * 8 != h * bits or k_codes.dtype != jnp.uint8 or v_codes.shape != k_codes.shape or v_codes.dtype != jnp.uint8:
-    raise ValueError(f"k_codes {k_codes.shape} {k_codes.dtype} / v_codes {v_codes.shape} {v_codes.dtype} must be "
-                     f"uint8 [B, K, S, C={h * bits // 8}]")
-  p = k_scale.shape[2] if k_scale.ndim == 4 else -1
-  for name, x in (("k_scale", k_scale), ("k_zero", k_zero)):
-    if x.shape != (b, kh, p, h) or p * group_size < s:
-      raise ValueError(f"{name}.shape={x.shape} must be [B, K, P >= ceil(S/g)={-(-s // group_size)}, H={h}]")
-  for name, x in (("v_scale", v_scale), ("v_zero", v_zero)):
-    if x.shape != (b, kh, s, h // group_size):
-      raise ValueError(f"{name}.shape={x.shape} must be [B, K, S, H/g] = {(b, kh, s, h // group_size)}")
-  if lowbit_len.shape != (b,) or not jnp.issubdtype(lowbit_len.dtype, jnp.integer):
-    raise ValueError(f"lowbit_len (shape={lowbit_len.shape}, dtype={lowbit_len.dtype}) must be int [B={b}]")
-  if exclude.ndim != 3 or exclude.shape[:2] != (b, kh) or not jnp.issubdtype(exclude.dtype, jnp.integer):
-    raise ValueError(f"exclude (shape={exclude.shape}, dtype={exclude.dtype}) must be int [B={b}, K={kh}, X]")
-  e = extra_k.shape[2] if extra_k.ndim == 4 else 0
-  for name, x in (("extra_k", extra_k), ("extra_v", extra_v)):
-    if x.shape != (b, kh, e, h) or e < 1:
-      raise ValueError(f"{name}.shape={x.shape} must be [B={b}, K={kh}, E>=1, H={h}] (same E for both)")
-  if extra_mask.shape != (b, kh, t, e) or extra_mask.dtype != jnp.bool_:
-    raise ValueError(f"extra_mask (shape={extra_mask.shape}, dtype={extra_mask.dtype}) must be bool "
-                     f"[B, K, T, E] = {(b, kh, t, e)}")
+                     f"it takes (bits in {BITS}, head_dim in {HEAD_DIMS}, group_size dividing head_dim)")
+  check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v,
+               extra_mask, bits, group_size)
 
 
 def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
