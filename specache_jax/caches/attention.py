@@ -15,6 +15,8 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from specache_jax.cpu_kernels import select as cpu_select
+
 MASKED = -1e30  # finite, so a fully masked row yields zeros-weighted garbage instead of NaN
 
 
@@ -144,9 +146,12 @@ def write_rows(buf_BKSX, rows_BKTX, start_B):
 
 
 def gather_rows(buf_BKSH, idx_BKX):
-  """Rows of buf [B, K, S, H] at slots idx [B, K, X] -> [B, K, X, H] (idx clipped into range)."""
-  idx = jnp.clip(idx_BKX, 0, buf_BKSH.shape[2] - 1)
-  return jnp.take_along_axis(buf_BKSH, idx[..., None], axis=2)
+  """Rows of buf [B, K, S, H] at slots idx [B, K, X] -> [B, K, X, H] (idx clipped into range). On XLA:CPU a copy
+  of whole rows (`cpu_kernels.select.take_rows`; XLA's gather computes an index per element)."""
+  if cpu_select.applies():
+    return jax.lax.platform_dependent(buf_BKSH, idx_BKX, cpu=cpu_select.take_rows,
+                                      default=cpu_select.take_rows_reference)
+  return cpu_select.take_rows_reference(buf_BKSH, idx_BKX)
 
 
 @dataclasses.dataclass(frozen=True)

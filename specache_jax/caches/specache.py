@@ -34,6 +34,7 @@ from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
+from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
@@ -227,7 +228,7 @@ def select_hedged(method: SpeCacheConfig, real_BKS, spec_BKS, n_B):
   return jnp.concatenate([from_real, from_spec], axis=-1)
 
 
-# Slots per block of `top_k_indices` in `select`; None = one lax.top_k. Measured on XLA:CPU
+# Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU `cpu_kernels.select`). Measured on XLA:CPU
 # (results/topk_cpu.md): its TopK is already faster than any blocked variant (k=64, S=8192: 0.11 ms vs 0.15-0.76
 # ms), so the default is None. XLA:GPU's fast TopK targets small k and may sort the whole axis at k=64: the
 # GPU check measures the blocked form there.
@@ -243,6 +244,9 @@ def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
   only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
   s = scores_BKS.shape[-1]
   if block is None or block < k or s <= block:
+    if scores_BKS.dtype == jnp.float32 and cpu_select.applies():     # XLA:CPU: select.cc's exact top-k
+      return jax.lax.platform_dependent(scores_BKS, cpu=lambda x: cpu_select.top_k_indices(x, k),
+                                        default=lambda x: cpu_select.top_k_indices_reference(x, k))
     return jax.lax.top_k(scores_BKS, k)[1].astype(jnp.int32)
   n_blocks = -(-s // block)
   lead = scores_BKS.shape[:-1]

@@ -9,6 +9,9 @@ once for all M rows (`skinny_matmul.cc`).
 `mixed_attention.mixed_decode_attention`: the low-bit + 16-bit decode attention of SpeCache and KIVI with the
 contract of the Pallas kernel of that name (`mixed_attention.cc`; its own module, this one is the loader).
 
+`select.top_k_indices` / `select.take_rows`: SpeCache's κ choice (lax.top_k's indices, exactly) and the κ rows'
+gather (`select.cc`).
+
 The C++ sources are compiled on first use, into one library, with the machine's C++ compiler (`-O3
 -march=native`) against the XLA FFI headers of the installed jaxlib, into a cache folder
 (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
@@ -40,10 +43,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
 DENSE_ROWS = {"dn": (2, 4), "nd": (1, 4)}
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
+TOP_K_TARGET = "specache_top_k"
+TAKE_ROWS_TARGET = "specache_take_rows"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
 
@@ -90,6 +95,8 @@ def _load() -> tuple[bool, str]:
     handle = ctypes.cdll.LoadLibrary(str(lib))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SkinnyMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(handle.MixedDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectTopK), platform="cpu")
+    jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(handle.SelectTakeRows), platform="cpu")
   except (RuntimeError, OSError) as e:
     return False, f"unavailable: {e}"
   return True, f"on ({lib})"
@@ -201,4 +208,28 @@ def _row_partitioned(n_weights: int, transposed: bool):
 
   call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=("d", *names))
+  return call
+
+
+def batch_partitioned(local, rule: str, n_results: int, replicated: tuple[str, ...]):
+  """`local` (a function of arrays whose leading axis is the batch) wrapped in `custom_partitioning` for the
+  SPMD partitioner: every operand's and result's leading axis takes the first operand's sharding of it, every
+  other axis is gathered (each device runs the kernel on its own sequences). rule: the Shardy einsum-like rule
+  ("b s, b x -> b x"); replicated: its factors other than the leading one."""
+  call = custom_partitioning(local)
+
+  def batch_sharding(mesh, shape):
+    spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else P()
+    return NamedSharding(mesh, P(spec[0] if len(spec) else None))
+
+  def infer(mesh, arg_shapes, result_shape):
+    rows = batch_sharding(mesh, arg_shapes[0])
+    return (rows,) * n_results if n_results > 1 else rows
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows = batch_sharding(mesh, arg_shapes[0])
+    return mesh, local, (rows,) * n_results if n_results > 1 else rows, (rows,) * len(arg_shapes)
+
+  call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=replicated)
   return call

@@ -16,8 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.mixed_decode_attention import check_arrays
 from specache_jax import cpu_kernels as ck
@@ -87,24 +85,8 @@ def _call(bits: int, group_size: int, t: int, q_rows, k_codes, *rest):
 
 @functools.cache
 def _batch_partitioned(bits: int, group_size: int, t: int):
-  """The custom call for the SPMD partitioner: every operand's and result's leading (batch) axis keeps its
-  sharding, the other axes are gathered (each device attends for its own sequences)."""
-  local = functools.partial(_call, bits, group_size, t)
-  call = custom_partitioning(local)
-
-  def batch_sharding(mesh, shape):
-    spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else P()
-    return NamedSharding(mesh, P(spec[0] if len(spec) else None))
-
-  def infer(mesh, arg_shapes, result_shape):
-    return (batch_sharding(mesh, arg_shapes[0]),) * 3
-
-  def partition(mesh, arg_shapes, result_shape):
-    rows = batch_sharding(mesh, arg_shapes[0])
-    return mesh, local, (rows,) * 3, (rows,) * len(arg_shapes)
-
+  """The custom call for the SPMD partitioner: the batch axis keeps its sharding (`cpu_kernels.batch_partitioned`)."""
   rule = ("b k m h, b k s c, b k p h, b k p h, b k s c, b k s v, b k s v, b, b k x, b k e h, b k e h, b k t e "
           "-> b k m h, b k s, b k e")
-  call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     need_replication_factors=("k", "m", "h", "s", "c", "p", "v", "x", "e", "t"))
-  return call
+  return ck.batch_partitioned(functools.partial(_call, bits, group_size, t), rule, 3,
+                              ("k", "m", "h", "s", "c", "p", "v", "x", "e", "t"))

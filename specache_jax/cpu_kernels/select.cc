@@ -1,0 +1,128 @@
+// Row selection for XLA:CPU: SpeCache's κ choice (top-k of a probability row) and the κ rows' gather.
+//
+// TopK: indices of the k largest of each row of x [N, S] float32, exactly XLA's TopK (xla/service/cpu's
+// runtime): a total order on the float bits (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), the larger
+// first, ties by the lower index. Per row: order keys (uint32, ascending = that order), a threshold θ from a
+// strided sample of 1024 keys chosen so that ~2k keys are >= θ, the indices with key >= θ in index order (all of
+// them when fewer than k pass), the k-th largest key T among those (nth_element), the indices above T then the
+// first ones equal to T, sorted. O(S) with a small constant (XLA's partial_sort of S indices: O(S log k) through
+// an indirect comparator); exact whatever θ turns out to be.
+//
+// TakeRows: out[n, x, :] = buf[n, clip(idx[n, x], 0, S-1), :] for buf [N, S, R] of any element type (whole rows
+// by memcpy; XLA:CPU's gather computes an index per element).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kSample = 1024;   // keys sampled for θ
+constexpr int64_t kRowsPerItem = 4;  // rows per work item (a row costs a few µs: below that, threads cost more)
+
+// XLA's TopK key (int32: the float bits, negatives mapped to INT32_MAX - bits), shifted so that unsigned order
+// is its order.
+inline uint32_t OrderKey(uint32_t bits) {
+  const uint32_t v = static_cast<int32_t>(bits) < 0 ? 0x7fffffffu - bits : bits;
+  return v ^ 0x80000000u;
+}
+
+void TopKRow(const float* x, int64_t s, int64_t k, int32_t* out) {
+  thread_local std::vector<uint32_t> keys, tmp;
+  thread_local std::vector<int32_t> cand;
+  keys.resize(s);
+  cand.resize(s);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t i = 0; i < s; ++i) keys[i] = OrderKey(bits[i]);
+  uint32_t theta = 0;
+  if (s > kSample && 4 * k < s) {                     // sample: j-th largest of m keys, ~2k of S above it
+    const int64_t m = kSample, stride = s / m;
+    const int64_t j = std::min<int64_t>(m, std::max<int64_t>(1, (2 * k * m + s - 1) / s));
+    tmp.resize(m);
+    for (int64_t i = 0; i < m; ++i) tmp[i] = keys[i * stride];
+    std::nth_element(tmp.begin(), tmp.begin() + (m - j), tmp.end());
+    theta = tmp[m - j];
+  }
+  int64_t n = 0;
+  for (int64_t i = 0; i < s; ++i) {                   // branch-free compaction, index order
+    cand[n] = static_cast<int32_t>(i);
+    n += keys[i] >= theta;
+  }
+  if (n < k) {                                        // θ was too high: every index is a candidate
+    for (int64_t i = 0; i < s; ++i) cand[i] = static_cast<int32_t>(i);
+    n = s;
+  }
+  tmp.resize(n);
+  for (int64_t i = 0; i < n; ++i) tmp[i] = keys[cand[i]];
+  std::nth_element(tmp.begin(), tmp.begin() + (n - k), tmp.end());
+  const uint32_t t = tmp[n - k];                      // the k-th largest key
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (keys[cand[i]] > t) out[c++] = cand[i];
+  for (int64_t i = 0; i < n && c < k; ++i)
+    if (keys[cand[i]] == t) out[c++] = cand[i];
+  const uint32_t* kp = keys.data();
+  std::sort(out, out + k, [kp](int32_t a, int32_t b) { return kp[a] != kp[b] ? kp[a] > kp[b] : a < b; });
+}
+
+ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || xd[0] != od[0])
+    return ffi::Error::InvalidArgument("top_k: x must be [N, S] and the result [N, k]");
+  const int64_t rows = xd[0], s = xd[1], k = od[1];
+  if (k > s) return ffi::Error::InvalidArgument("top_k: k = " + std::to_string(k) + " > S = " + std::to_string(s));
+  if (k == 0 || rows == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  int32_t* op = out->typed_data();
+  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  auto item = [&](int64_t it) {
+    for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r)
+      TopKRow(xp + r * s, s, k, op + r * k);
+  };
+  if (items == 1) {
+    item(0);
+  } else {
+    specache_cpu::RunAll(pool, item, items);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error TakeRows(ffi::AnyBuffer buf, ffi::Buffer<ffi::S32> idx, ffi::Result<ffi::AnyBuffer> out) {
+  const auto bd = buf.dimensions(), id = idx.dimensions(), od = out->dimensions();
+  if (bd.size() != 3 || id.size() != 2 || od.size() != 3 || id[0] != bd[0] || od[0] != bd[0] ||
+      od[1] != id[1] || od[2] != bd[2] || out->element_type() != buf.element_type())
+    return ffi::Error::InvalidArgument("take_rows: buf [N, S, R], idx [N, X] -> [N, X, R] of buf's type");
+  const int64_t n = bd[0], s = bd[1], x = id[1];
+  if (n * x == 0) return ffi::Error::Success();
+  if (s == 0) return ffi::Error::InvalidArgument("take_rows: S = 0 rows to take from");
+  const size_t row = buf.size_bytes() / static_cast<size_t>(n * s);
+  const char* src = static_cast<const char*>(buf.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* ip = idx.typed_data();
+  for (int64_t a = 0; a < n; ++a)
+    for (int64_t j = 0; j < x; ++j) {
+      const int64_t r = std::min<int64_t>(s - 1, std::max<int32_t>(0, ip[a * x + j]));
+      std::memcpy(dst + (a * x + j) * row, src + (a * s + r) * row, row);
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SelectTopK, TopK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, S]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // indices [N, k]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SelectTakeRows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()           // buf [N, S, R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // idx [N, X]
+                                  .Ret<ffi::AnyBuffer>());         // out [N, X, R]

@@ -1,0 +1,100 @@
+"""SpeCache's κ choice and the κ rows' gather on XLA:CPU (`select.cc`), each beside its jnp reference.
+
+At 8k slots XLA:CPU spent ~0.11 ms per layer in its TopK (k=64 of [3, 8448], a partial_sort of every index
+through an indirect comparator) and ~0.05 ms per gather of 64 rows per head from the simulated 16-bit cache
+(an index computed per element): ~6 ms of a ~45 ms SmolLM2-135M SpeCache step. The kernels pick the same indices
+(`top_k_indices`: lax.top_k's order, ties to the lower index, NaNs and signed zeros in XLA's total order) and
+copy whole rows (`take_rows`).
+
+Callers (`caches/specache.py`, `caches/attention.py`) take them on the CPU backend where they `apply` and lower
+to the references for every other platform (`lax.platform_dependent`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from specache_jax import cpu_kernels as ck
+
+
+def applies() -> bool:
+  """Whether callers take the kernels: the CPU as the default backend and the kernels built."""
+  return jax.default_backend() == "cpu" and ck.available()
+
+
+def _check_top_k(scores, k: int) -> None:
+  if scores.ndim < 1 or scores.dtype != jnp.float32:
+    raise ValueError(f"top_k_indices: scores must be float32 [..., S]; got {scores.dtype} {scores.shape}")
+  if not 0 <= k <= scores.shape[-1]:
+    raise ValueError(f"top_k_indices: k={k} must be in [0, S={scores.shape[-1]}]")
+
+
+def top_k_indices(scores, k: int):
+  """int32 indices [..., k] of `lax.top_k(scores, k)` (float32 scores [..., S]), exactly. CPU backend only."""
+  _check_top_k(scores, k)
+  if not ck.available():
+    raise RuntimeError(f"top_k_indices: CPU kernels {ck.status()}")
+  lead, s = scores.shape[:-1], scores.shape[-1]
+  n = math.prod(lead)
+  if n == 0 or k == 0:
+    return jnp.zeros(lead + (k,), jnp.int32)
+  out = _top_k_partitioned(k)(scores.reshape(n, s))
+  return out.reshape(lead + (k,))
+
+
+def top_k_indices_reference(scores, k: int):
+  """`top_k_indices` in jnp (the same signature)."""
+  _check_top_k(scores, k)
+  return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+
+
+def _check_take(buf, idx) -> None:
+  if buf.ndim < 2 or idx.shape[:-1] != buf.shape[:-2] or not jnp.issubdtype(idx.dtype, jnp.integer):
+    raise ValueError(f"take_rows: buf [..., S, R] and integer idx [..., X] with the same leading axes; got buf "
+                     f"{buf.shape}, idx {idx.dtype} {idx.shape}")
+
+
+def take_rows(buf, idx):
+  """Rows of buf [..., S, R] at idx [..., X] (clipped into [0, S-1]) -> [..., X, R] of buf's dtype. CPU backend
+  only."""
+  _check_take(buf, idx)
+  if not ck.available():
+    raise RuntimeError(f"take_rows: CPU kernels {ck.status()}")
+  *lead, s, r = buf.shape
+  x = idx.shape[-1]
+  n = math.prod(lead)
+  if n * x * r == 0 or s == 0:
+    return take_rows_reference(buf, idx)
+  out = _take_partitioned()(buf.reshape(n, s, r), idx.reshape(n, x).astype(jnp.int32))
+  return out.reshape(tuple(lead) + (x, r))
+
+
+def take_rows_reference(buf, idx):
+  """`take_rows` in jnp (the same signature)."""
+  _check_take(buf, idx)
+  i = jnp.clip(idx, 0, max(buf.shape[-2] - 1, 0))
+  return jnp.take_along_axis(buf, i[..., None], axis=-2)
+
+
+def _top_k_call(k: int, scores_NS):
+  out = jax.ShapeDtypeStruct((scores_NS.shape[0], k), jnp.int32)
+  return jax.ffi.ffi_call(ck.TOP_K_TARGET, out, vmap_method="sequential")(scores_NS)
+
+
+def _take_call(buf_NSR, idx_NX):
+  n, _, r = buf_NSR.shape
+  out = jax.ShapeDtypeStruct((n, idx_NX.shape[1], r), buf_NSR.dtype)
+  return jax.ffi.ffi_call(ck.TAKE_ROWS_TARGET, out, vmap_method="sequential")(buf_NSR, idx_NX)
+
+
+@functools.cache
+def _top_k_partitioned(k: int):
+  return ck.batch_partitioned(functools.partial(_top_k_call, k), "b s -> b k", 1, ("s", "k"))
+
+
+@functools.cache
+def _take_partitioned():
+  return ck.batch_partitioned(_take_call, "b s r, b x -> b x r", 1, ("s", "r", "x"))

@@ -1,0 +1,122 @@
+"""The XLA:CPU selection kernels (`cpu_kernels.select`: top-k indices, row gather) against their jnp references
+(lax.top_k's exact indices and order; take_along_axis), and SpeCache's κ through them."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specache_jax import cpu_kernels as ck
+from specache_jax.caches import attention as A
+from specache_jax.caches import specache as sc
+from specache_jax.cpu_kernels import select
+
+needs_kernel = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels {ck.status()}")
+
+
+def _rows(kind: str, rng, n: int, s: int) -> np.ndarray:
+  if kind == "normal":
+    return rng.randn(n, s).astype(np.float32)
+  if kind == "ties":                                          # a few distinct values: ties decide the order
+    return rng.randint(0, 4, (n, s)).astype(np.float32)
+  if kind == "special":                                       # XLA's total order: -NaN < -inf < -0.0 < +0.0 < +inf < NaN
+    x = rng.randn(n, s).astype(np.float32)
+    for start, step, v in ((0, 7, np.nan), (1, 5, -np.nan), (2, 9, np.inf), (3, 11, -0.0), (4, 13, 0.0),
+                           (5, 17, -np.inf)):
+      x[:, start::step] = v
+    return x
+  if kind == "descending":
+    return -np.sort(rng.rand(n, s).astype(np.float32), axis=-1)
+  if kind == "ascending":                                     # the strided sample's threshold is at its worst
+    return np.sort(rng.rand(n, s).astype(np.float32), axis=-1)
+  if kind == "masked":                                        # SpeCache's scores: probabilities, -1 past n
+    x = np.full((n, s), -1.0, np.float32)
+    x[:, : s // 3] = rng.rand(n, s // 3)
+    return x
+  raise ValueError(kind)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "ties", "special", "descending", "ascending", "masked"])
+@pytest.mark.parametrize("s", [1, 7, 100, 1024, 1025, 8448, 20000])
+def test_top_k_indices_equal_lax_top_k(kind, s):
+  """Fresh random rows; k from 0 to S, incl. k = 1, 64 and S/2 (above and below the sampled threshold's range)."""
+  rng = np.random.RandomState(s + len(kind))
+  x = jnp.asarray(_rows(kind, rng, 3, s))
+  for k in sorted({0, 1, min(s, 3), min(s, 64), s // 2, s}):
+    got = jax.jit(functools.partial(select.top_k_indices, k=k))(x)
+    want = select.top_k_indices_reference(x, k)
+    assert got.dtype == jnp.int32 and got.shape == (3, k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{kind} S={s} k={k}")
+
+
+@needs_kernel
+def test_top_k_indices_leading_axes_and_many_rows():
+  """[B, K, S] with B·K rows split across the work items (4 rows per item)."""
+  x = jnp.asarray(np.random.RandomState(1).rand(5, 3, 700).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: select.top_k_indices(x, 33))(x)),
+                                np.asarray(select.top_k_indices_reference(x, 33)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32])
+def test_take_rows_equals_take_along_axis_clipped(dtype):
+  """Any element type; indices below 0 and past S clip into range (as `attention.gather_rows` always did)."""
+  rng = np.random.RandomState(2)
+  buf = jnp.asarray(rng.randint(0, 100, (2, 3, 50, 12)), dtype)
+  idx = jnp.asarray(rng.randint(-4, 57, (2, 3, 9)), jnp.int32)
+  got = jax.jit(select.take_rows)(buf, idx)
+  assert got.dtype == buf.dtype and got.shape == (2, 3, 9, 12)
+  want = jnp.take_along_axis(buf, jnp.clip(idx, 0, 49)[..., None], axis=2)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(select.take_rows_reference(buf, idx)), np.asarray(want))
+
+
+@needs_kernel
+def test_kernels_name_bad_inputs():
+  x = jnp.zeros((2, 10), jnp.float32)
+  with pytest.raises(ValueError, match="k=11 must be in"):
+    select.top_k_indices(x, 11)
+  with pytest.raises(ValueError, match="float32"):
+    select.top_k_indices(x.astype(jnp.bfloat16), 2)
+  with pytest.raises(ValueError, match="same leading axes"):
+    select.take_rows(jnp.zeros((2, 3, 10, 4)), jnp.zeros((2, 4, 5), jnp.int32))
+  with pytest.raises(ValueError, match="integer idx"):
+    select.take_rows(jnp.zeros((2, 10, 4)), jnp.zeros((2, 5), jnp.float32))
+
+
+@needs_kernel
+def test_callers_take_the_kernels_on_cpu_only():
+  """SpeCache's κ choice and `gather_rows` emit the custom calls on the CPU; lowered for a GPU they do not."""
+  scores = jnp.asarray(np.random.RandomState(3).rand(2, 3, 300).astype(np.float32))
+  buf = jnp.zeros((2, 3, 300, 16), jnp.float32)
+
+  def fn(scores, buf):
+    idx = sc.top_k_indices(scores, 8)
+    return idx, A.gather_rows(buf, idx)
+
+  cpu = jax.jit(fn).trace(scores, buf).lower().as_text()
+  assert ck.TOP_K_TARGET in cpu and ck.TAKE_ROWS_TARGET in cpu
+  gpu = jax.jit(fn).trace(scores, buf).lower(lowering_platforms=("cuda",)).as_text()
+  assert ck.TOP_K_TARGET not in gpu and ck.TAKE_ROWS_TARGET not in gpu
+  idx, rows = jax.jit(fn)(scores, buf)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(jax.lax.top_k(scores, 8)[1]))
+
+
+@needs_kernel
+def test_kernels_on_a_mesh_keep_the_batch_sharded():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from specache_jax import sharding
+  mesh = sharding.make_mesh(2, 2)
+  rng = np.random.RandomState(4)
+  scores = jax.device_put(jnp.asarray(rng.rand(4, 2, 200).astype(np.float32)), NamedSharding(mesh, P("data")))
+  buf = jax.device_put(jnp.asarray(rng.randn(4, 2, 200, 8).astype(np.float32)), NamedSharding(mesh, P("data")))
+  fn = jax.jit(lambda s, b: (lambda i: (i, select.take_rows(b, i)))(select.top_k_indices(s, 5)))
+  compiled = fn.lower(scores, buf).compile().as_text()
+  assert ck.TOP_K_TARGET in compiled and ck.TAKE_ROWS_TARGET in compiled
+  idx, rows = fn(scores, buf)
+  assert idx.sharding.spec[0] == "data" and rows.sharding.spec[0] == "data"
+  want = jax.lax.top_k(jnp.asarray(np.asarray(scores)), 5)[1]
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(rows), np.take_along_axis(np.asarray(buf), np.asarray(want)[..., None], 2))
