@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from specache_jax.cpu_kernels import prefill_attention as cpu_prefill
 from specache_jax.cpu_kernels import select as cpu_select
 
 MASKED = -1e30  # finite, so a fully masked row yields zeros-weighted garbage instead of NaN
@@ -192,6 +193,21 @@ def _kv_blocks_unmasked(limit_BR, block_k: int, n_steps):
 
 def prefill_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_colsum: bool,
                       blocks: PrefillBlocks = PrefillBlocks()):
+  """Causal self-attention over a right-padded prompt: `prefill_attention_blockwise`, or on XLA:CPU without the
+  column sums the register-tiled kernel of the same contract (`cpu_kernels.prefill_attention`; head_dim a
+  multiple of 64; ~1.4-2.4x the blockwise form's speed on the 2-core CPU). Same returns as the blockwise form
+  (the kernel gives zeros for a prompt of length 0, which the blockwise form fills with a uniform average)."""
+  if not want_colsum and cpu_prefill.applies(q_BTNH.shape[-1]):
+    out = jax.lax.platform_dependent(
+        q_BTNH, k_BTKH, v_BTKH, lengths_B,
+        cpu=lambda *a: cpu_prefill.causal_attention(*a, sm_scale),
+        default=lambda *a: prefill_attention_blockwise(*a, sm_scale, False, blocks)[0])
+    return out, None
+  return prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale, want_colsum, blocks)
+
+
+def prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_colsum: bool,
+                                blocks: PrefillBlocks = PrefillBlocks()):
   """Causal self-attention over a right-padded prompt, blockwise (flash-style online softmax).
 
   Query blocks of `block_q` positions (times the G heads of a KV head) walk the key blocks up to their

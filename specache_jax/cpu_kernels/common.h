@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -26,6 +27,32 @@ constexpr int kLanes = 16;
 inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
 inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
 inline V Splat(float x) { return V{} + x; }
+inline const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// exp(x) lane by lane; -inf and anything below the float range give 0. cephes expf: x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by a degree-7 polynomial, times 2^n built in the exponent bits.
+inline V Exp(V x) {
+  const VI dead = x < Splat(-87.33654f);
+  x = x < Splat(-87.33654f) ? Splat(-87.33654f) : x;
+  x = x > Splat(88.02969f) ? Splat(88.02969f) : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  VI n = __builtin_convertvector(t, VI);                 // toward zero ...
+  n += __builtin_convertvector(n, V) > t;                // ... then floor (a true compare is -1)
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * r * r + r + 1.0f;
+  V pow2;
+  const VI bits = (n + 127) << 23;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return dead ? Splat(0.f) : y * pow2;
+}
+
 inline float Sum(V v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
