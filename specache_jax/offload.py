@@ -273,6 +273,7 @@ class NumpyHostStore:
   def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
     self.device = device or jax.devices()[0]
     self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+    self.on_device_kv = self.on_device                           # the fetched [2, B, K, X, H]
     shape = (batch, n_kv, slots, head_dim)
     self._kv = [np.zeros((2,) + shape, jnp.dtype(dtype)) for _ in range(n_layers)]   # K and V of a layer, one
     self.k = [kv[0] for kv in self._kv]                                               # gather for both
@@ -298,8 +299,8 @@ class NumpyHostStore:
 
   def fetch(self, layer, kappa_BKX):
     def job():
-      rows = take_rows(self._kv[layer], np.asarray(kappa_BKX))
-      return tuple(jax.device_put((rows[0], rows[1]), self.on_device))
+      # one array [2, B, K, X, H] (K rows, V rows): one transfer; consumers unpack it as (k, v) inside their jit
+      return jax.device_put(take_rows(self._kv[layer], np.asarray(kappa_BKX)), self.on_device_kv)
     return self._pool.submit(job)
 
   def arrays(self):
@@ -325,6 +326,7 @@ class _MeshPlacement:
     self.device = mesh.devices.flat[0]
     self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
     self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
+    self.on_device_kv = NamedSharding(mesh, P(None, "data", "model", None, None), memory_kind="device")
 
   def _put_host(self, x):
     spec = sharding.layer_leaf_spec(x.shape, stacked=False)

@@ -45,7 +45,8 @@ def _prefill_layer(lp, x, lengths, rope, st, *, cfg, method, layout=None):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"))
 def _layer(lp, x, lengths, rope, st, rows=None, *, cfg, method, phase, layout=None):
-  """One layer. rows: (k, v) [B, K, X, H] fetched for the state's κ, installed first (one dispatch per layer
+  """One layer. rows: (k, v) [B, K, X, H] fetched for the state's κ (a pair, or one [2, B, K, X, H] array as the
+  numpy store delivers it), installed first (one dispatch per layer
   instead of two)."""
   if rows is not None:
     st = sc.with_fetched(st, st.kappa, *rows)
