@@ -20,7 +20,7 @@ def _rows(kind: str, rng, n: int, s: int) -> np.ndarray:
     return rng.randn(n, s).astype(np.float32)
   if kind == "ties":                                          # a few distinct values: ties decide the order
     return rng.randint(0, 4, (n, s)).astype(np.float32)
-  if kind == "special":                                       # XLA's total order: -NaN < -inf < -0.0 < +0.0 < +inf < NaN
+  if kind == "special":                      # XLA's total order: -NaN < -inf < -0.0 < +0.0 < +inf < NaN
     x = rng.randn(n, s).astype(np.float32)
     for start, step, v in ((0, 7, np.nan), (1, 5, -np.nan), (2, 9, np.inf), (3, 11, -0.0), (4, 13, 0.0),
                            (5, 17, -np.inf)):

@@ -196,7 +196,8 @@ def prefill_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_c
   """Causal self-attention over a right-padded prompt: `prefill_attention_blockwise`, or on XLA:CPU without the
   column sums the register-tiled kernel of the same contract (`cpu_kernels.prefill_attention`; head_dim a
   multiple of 64; ~1.4-2.4x the blockwise form's speed on the 2-core CPU). Same returns as the blockwise form
-  (the kernel gives zeros for a prompt of length 0, which the blockwise form fills with a uniform average)."""
+  (a prompt of length 0, which the API rejects, gives zeros from the kernel and a meaningless average from the
+  blockwise form)."""
   if not want_colsum and cpu_prefill.applies(q_BTNH.shape[-1]):
     out = jax.lax.platform_dependent(
         q_BTNH, k_BTKH, v_BTKH, lengths_B,

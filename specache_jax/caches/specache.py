@@ -228,10 +228,10 @@ def select_hedged(method: SpeCacheConfig, real_BKS, spec_BKS, n_B):
   return jnp.concatenate([from_real, from_spec], axis=-1)
 
 
-# Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU `cpu_kernels.select`). Measured on XLA:CPU
-# (results/topk_cpu.md): its TopK is already faster than any blocked variant (k=64, S=8192: 0.11 ms vs 0.15-0.76
-# ms), so the default is None. XLA:GPU's fast TopK targets small k and may sort the whole axis at k=64: the
-# GPU check measures the blocked form there.
+# Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU, `cpu_kernels.select`'s kernel).
+# Measured on XLA:CPU (results/topk_cpu.md, before that kernel): its TopK was already faster than any blocked
+# variant (k=64, S=8192: 0.11 ms vs 0.15-0.76 ms), so the default is None. XLA:GPU's fast TopK targets small k
+# and may sort the whole axis at k=64: the GPU check measures the blocked form there.
 TOPK_BLOCK = None
 
 
