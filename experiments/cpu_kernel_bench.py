@@ -1,4 +1,5 @@
-"""The XLA:CPU kernels (`specache_jax.cpu_kernels`: skinny matmul, mixed low-bit attention) vs XLA on this CPU:
+"""The XLA:CPU decoding kernels (`specache_jax.cpu_kernels`: skinny matmul, mixed low-bit attention, κ's top-k and
+row gathers) vs XLA on this CPU:
 
   python -m experiments.cpu_kernel_bench --out=results/cpu_kernels           # writes .json and .md
   python -m experiments.cpu_kernel_bench --out=/tmp/ck --contexts=256 --batches=1 --rounds=2 --steps=1  # smoke
@@ -8,7 +9,7 @@ products  a decoding step's weight products alone (SmolLM2-135M shapes, random f
           kernel for every M (whatever `cpu_kernels.use_kernel` picks); GB/s and × the machine's read floor.
 steps     whole greedy decoding steps of the library (random weights and a random cache state of `--contexts`
           tokens, as peer_bench's scaling curve) with every kernel (what the library picks), with the matmul kernel
-          alone (low-bit attention by XLA; SpeCache and KIVI) and with none (SPECACHE_JAX_CPU_KERNELS=0 while
+          alone (low-bit attention, κ's top-k and row gathers by XLA; SpeCache and KIVI) and with none (SPECACHE_JAX_CPU_KERNELS=0 while
           tracing): the same steps, interleaved round by round.
 Every variant's output is checked against XLA's before timing (products: ≤ 1e-4 relative; steps: the same
 greedy tokens over the first step).
@@ -29,6 +30,7 @@ from absl import app, flags
 from configs import peer_bench as peer_bench_config
 from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
+from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.bench import machine, models as bench_models, peer, states, throughput, timing
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.experiments_lib.store import atomic_write_text
@@ -120,9 +122,10 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
     for variant in VARIANTS if method.name in ("specache", "kivi") else ("kernel", "xla"):
       os.environ[ck.ENV_SWITCH] = "0" if variant == "xla" else "1"
       ck._load.cache_clear()
-      applies = cpu_attention.applies
-      if variant == "matmul":
-        cpu_attention.applies = lambda *a: False                 # the attention kernel off while tracing
+      applies, select_applies = cpu_attention.applies, cpu_select.applies
+      if variant == "matmul":                                    # the attention and select kernels off while tracing
+        cpu_attention.applies = lambda *a: False
+        cpu_select.applies = lambda: False
       try:
         cache = states.build_cache(captured, lengths, cfg=cfg, method=method, max_len=slots)
         carry = timing.block(states.first_decode_input(model.params, first, cache, cfg=cfg, method=method))
@@ -132,13 +135,15 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
         fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
                                method=method)
         text = fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()
-        if (ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch, cfg.head_dim):
+        top_k = variant == "kernel" and method.name == "specache"
+        if ((ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch, cfg.head_dim)
+            or (ck.TOP_K_TARGET in text) != top_k):
           raise AssertionError(f"{label}: the step traced as {variant!r} does not have the kernels it should")
         carry = timing.block(fn(lp, *carry))
       finally:
         os.environ.pop(ck.ENV_SWITCH, None)
         ck._load.cache_clear()
-        cpu_attention.applies = applies
+        cpu_attention.applies, cpu_select.applies = applies, select_applies
       name = f"{label} {variant}"
       firsts[variant] = np.asarray(carry[0])
       carries[name] = carry
