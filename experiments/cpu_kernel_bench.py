@@ -45,7 +45,8 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "2", "4"], "steps: batch sizes")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "timed rounds (median reported)")
 _STEPS = flags.DEFINE_integer("steps", 4, "steps: decoding steps per round, back to back")
 SHAPE = "smollm2-135m"
-# whole steps with: every kernel (what the library picks), the matmul kernel alone (attention by XLA), none
+# whole steps with: every kernel (what the library picks), the matmul kernel alone (attention, top-k, gathers by
+# XLA), none
 VARIANTS = ("kernel", "matmul", "xla")
 
 
@@ -175,7 +176,8 @@ def _chain(fn, lp, carries: dict, name: str, n: int):
 
 def _markdown(rep: dict) -> str:
   m = rep["meta"]
-  lines = ["# The CPU kernels vs XLA (specache_jax.cpu_kernels: skinny matmul, mixed low-bit attention)", "",
+  lines = ["# The CPU decoding kernels vs XLA (specache_jax.cpu_kernels: skinny matmul, mixed low-bit attention, "
+           "top-k and row gathers)", "",
            f"Command: `{m['command']}`", "",
            f"- machine: {m['machine']}; read bandwidth {m['bandwidth_GBps']:.1f} GB/s (best of "
            f"{', '.join(m['bandwidth_of'])}); load average at start {m['load_start']}, at end {m['load_end']}",
@@ -188,7 +190,7 @@ def _markdown(rep: dict) -> str:
     cell = lambda v: f"{v['ms']:.2f} ({v['GBps']:.1f}, {v['x_floor']:.2f}×)"
     lines.append(f"| {p['rows']} | {p['weight_bytes'] / 2**20:.0f} MiB | {cell(p['xla'])} | {cell(p['kernel'])} "
                  f"| {p['kernel_vs_xla']:.2f} |")
-  lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention by XLA) / none", "",
+  lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention, top-k, gathers by XLA) / none", "",
             "| S | B | method | rows per product | kernels ms/step | matmul kernel only | XLA ms/step | kernels ÷ XLA "
             "| kernels ÷ matmul only |", "|---|---|---|---|---|---|---|---|---|"]
   for c in rep["steps"]:
