@@ -9,8 +9,8 @@ products  a decoding step's weight products alone (SmolLM2-135M shapes, random f
           kernel for every M (whatever `cpu_kernels.use_kernel` picks); GB/s and × the machine's read floor.
 steps     whole greedy decoding steps of the library (random weights and a random cache state of `--contexts`
           tokens, as peer_bench's scaling curve) with every kernel (what the library picks), with the matmul kernel
-          alone (low-bit attention, κ's top-k and row gathers by XLA; SpeCache and KIVI) and with none (SPECACHE_JAX_CPU_KERNELS=0 while
-          tracing): the same steps, interleaved round by round.
+          alone (low-bit attention, κ's top-k and row gathers by XLA; SpeCache and KIVI) and with none
+          (SPECACHE_JAX_CPU_KERNELS=0 while tracing): the same steps, interleaved round by round.
 Every variant's output is checked against XLA's before timing (products: ≤ 1e-4 relative; steps: the same
 greedy tokens over the first step).
 """
@@ -50,13 +50,13 @@ SHAPE = "smollm2-135m"
 VARIANTS = ("kernel", "matmul", "xla")
 
 
-def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bool]:
-  """(skinny matmul, mixed attention) custom calls a step traced as `variant` must have."""
+def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bool, bool]:
+  """(skinny matmul, mixed attention, top-k) custom calls a step traced as `variant` must have."""
   rows = batch * method.decode_width
   matmul = variant != "xla" and (ck.use_kernel(rows, False) or ck.use_kernel(rows, True))
   attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
       method.bits, method.group_size, head_dim)
-  return matmul, attention
+  return matmul, attention, variant == "kernel" and method.name == "specache"
 
 
 def _rounds(fns: dict, rounds: int) -> dict:
@@ -136,9 +136,8 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
         fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
                                method=method)
         text = fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()
-        top_k = variant == "kernel" and method.name == "specache"
-        if ((ck.TARGET in text, ck.ATTENTION_TARGET in text) != _expected(variant, method, batch, cfg.head_dim)
-            or (ck.TOP_K_TARGET in text) != top_k):
+        found = tuple(target in text for target in (ck.TARGET, ck.ATTENTION_TARGET, ck.TOP_K_TARGET))
+        if found != _expected(variant, method, batch, cfg.head_dim):
           raise AssertionError(f"{label}: the step traced as {variant!r} does not have the kernels it should")
         carry = timing.block(fn(lp, *carry))
       finally:
@@ -176,8 +175,8 @@ def _chain(fn, lp, carries: dict, name: str, n: int):
 
 def _markdown(rep: dict) -> str:
   m = rep["meta"]
-  lines = ["# The CPU decoding kernels vs XLA (specache_jax.cpu_kernels: skinny matmul, mixed low-bit attention, "
-           "top-k and row gathers)", "",
+  lines = ["# The CPU decoding kernels vs XLA (specache_jax.cpu_kernels: skinny matmul, mixed low-bit "
+           "attention, top-k and row gathers)", "",
            f"Command: `{m['command']}`", "",
            f"- machine: {m['machine']}; read bandwidth {m['bandwidth_GBps']:.1f} GB/s (best of "
            f"{', '.join(m['bandwidth_of'])}); load average at start {m['load_start']}, at end {m['load_end']}",
@@ -190,7 +189,8 @@ def _markdown(rep: dict) -> str:
     cell = lambda v: f"{v['ms']:.2f} ({v['GBps']:.1f}, {v['x_floor']:.2f}×)"
     lines.append(f"| {p['rows']} | {p['weight_bytes'] / 2**20:.0f} MiB | {cell(p['xla'])} | {cell(p['kernel'])} "
                  f"| {p['kernel_vs_xla']:.2f} |")
-  lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention, top-k, gathers by XLA) / none", "",
+  lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention, top-k, gathers by XLA) "
+            "/ none", "",
             "| S | B | method | rows per product | kernels ms/step | matmul kernel only | XLA ms/step | kernels ÷ XLA "
             "| kernels ÷ matmul only |", "|---|---|---|---|---|---|---|---|---|"]
   for c in rep["steps"]:

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import prefill_attention as cpu_prefill
 from specache_jax.cpu_kernels import select as cpu_select
 
@@ -149,10 +150,7 @@ def write_rows(buf_BKSX, rows_BKTX, start_B):
 def gather_rows(buf_BKSH, idx_BKX):
   """Rows of buf [B, K, S, H] at slots idx [B, K, X] -> [B, K, X, H] (idx clipped into range). On XLA:CPU a copy
   of whole rows (`cpu_kernels.select.take_rows`; XLA's gather computes an index per element)."""
-  if cpu_select.applies():
-    return jax.lax.platform_dependent(buf_BKSH, idx_BKX, cpu=cpu_select.take_rows,
-                                      default=cpu_select.take_rows_reference)
-  return cpu_select.take_rows_reference(buf_BKSH, idx_BKX)
+  return ck.on_cpu(cpu_select.applies(), cpu_select.take_rows, cpu_select.take_rows_reference, buf_BKSH, idx_BKX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +196,12 @@ def prefill_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_c
   multiple of 64; ~1.4-2.4x the blockwise form's speed on the 2-core CPU). Same returns as the blockwise form
   (a prompt of length 0, which the API rejects, gives zeros from the kernel and a meaningless average from the
   blockwise form)."""
-  if not want_colsum and cpu_prefill.applies(q_BTNH.shape[-1]):
-    out = jax.lax.platform_dependent(
-        q_BTNH, k_BTKH, v_BTKH, lengths_B,
-        cpu=lambda *a: cpu_prefill.causal_attention(*a, sm_scale),
-        default=lambda *a: prefill_attention_blockwise(*a, sm_scale, False, blocks)[0])
-    return out, None
-  return prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale, want_colsum, blocks)
+  if want_colsum:
+    return prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale, True, blocks)
+  out = ck.on_cpu(cpu_prefill.applies(q_BTNH.shape[-1]), lambda *a: cpu_prefill.causal_attention(*a, sm_scale),
+                  lambda *a: prefill_attention_blockwise(*a, sm_scale, False, blocks)[0],
+                  q_BTNH, k_BTKH, v_BTKH, lengths_B)
+  return out, None
 
 
 def prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_colsum: bool,

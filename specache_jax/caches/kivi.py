@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specache_jax import cpu_kernels as ck
 from specache_jax import quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
@@ -109,11 +110,8 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
         jnp.concatenate([ring_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1), bits=method.bits,
         group_size=method.group_size, sm_scale=sm_scale)[0]
 
-  if cpu_attention.applies(method.bits, method.group_size, q.shape[-1]):
-    # XLA:CPU: the fused kernel (its probabilities unused); a program lowered for another platform keeps jnp
-    out = jax.lax.platform_dependent(cpu=kernel_attention, default=jnp_attention)
-  else:
-    out = jnp_attention()
+  # XLA:CPU: the fused kernel (its probabilities unused); a program lowered for another platform keeps jnp
+  out = ck.on_cpu(cpu_attention.applies(method.bits, method.group_size, q.shape[-1]), kernel_attention, jnp_attention)
   return out, State(low=low), {}
 
 

@@ -28,6 +28,7 @@ from flax import struct
 
 from pallas_kernels import ATTENTION_IMPLS
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention
+from specache_jax import cpu_kernels as ck
 from specache_jax import quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
@@ -244,10 +245,9 @@ def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
   only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
   s = scores_BKS.shape[-1]
   if block is None or block < k or s <= block:
-    if scores_BKS.dtype == jnp.float32 and cpu_select.applies():     # XLA:CPU: select.cc's exact top-k
-      return jax.lax.platform_dependent(scores_BKS, cpu=lambda x: cpu_select.top_k_indices(x, k),
-                                        default=lambda x: cpu_select.top_k_indices_reference(x, k))
-    return jax.lax.top_k(scores_BKS, k)[1].astype(jnp.int32)
+    return ck.on_cpu(scores_BKS.dtype == jnp.float32 and cpu_select.applies(),      # XLA:CPU: select.cc
+                     lambda x: cpu_select.top_k_indices(x, k), lambda x: cpu_select.top_k_indices_reference(x, k),
+                     scores_BKS)
   n_blocks = -(-s // block)
   lead = scores_BKS.shape[:-1]
   padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)
@@ -324,12 +324,10 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   if method.attention_impl != "jnp":
     out, probs_low, probs_extra = fused_attention(functools.partial(
         mixed_decode_attention, interpret=method.attention_impl == "pallas_interpret"))
-  elif tuple(rows) == (-1,) and cpu_attention.applies(method.bits, method.group_size, h):
-    # XLA:CPU: the fused kernel; a program lowered for another platform keeps the jnp ops
-    out, probs_low, probs_extra = jax.lax.platform_dependent(
-        cpu=lambda: fused_attention(cpu_attention.mixed_decode_attention), default=jnp_attention)
-  else:
-    out, probs_low, probs_extra = jnp_attention()
+  else:   # XLA:CPU: the fused kernel where it applies; a program lowered for another platform keeps the jnp ops
+    out, probs_low, probs_extra = ck.on_cpu(
+        tuple(rows) == (-1,) and cpu_attention.applies(method.bits, method.group_size, h),
+        lambda: fused_attention(cpu_attention.mixed_decode_attention), jnp_attention)
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

@@ -117,6 +117,15 @@ def status() -> str:
   return _load()[1]
 
 
+def on_cpu(use: bool, kernel, default, *args):
+  """kernel(*args) in programs for XLA:CPU when `use` (the caller's "the kernel applies"), default(*args) in
+  programs lowered for any other platform (`lax.platform_dependent`) and everywhere when not `use`: the one way
+  the models pick a kernel of this package."""
+  if use:
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=default)
+  return default(*args)
+
+
 def _checked(x_MD, ws, transposed: bool) -> list[int]:
   """The output widths N_i of x [M, D] times each weight; a clear error for anything the kernel cannot take."""
   if not ws:
@@ -181,10 +190,8 @@ def dense(x, *ws, transposed: bool = False):
     return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
 
   f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-  if use_kernel(rows, transposed) and f32 and jax.default_backend() == "cpu" and available():
-    outs = jax.lax.platform_dependent(x, *ws, cpu=kernel, default=xla)
-  else:
-    outs = xla(x, *ws)
+  outs = on_cpu(use_kernel(rows, transposed) and f32 and jax.default_backend() == "cpu" and available(), kernel,
+                xla, x, *ws)
   return outs[0] if len(ws) == 1 else outs
 
 
