@@ -2,7 +2,8 @@
 
 Lowering runs the Pallas→Triton-IR translation (shape, dtype and op support are checked there; e.g. a
 non-power-of-two tile or an unsupported primitive fails). The final Triton→PTX compilation happens in XLA on
-a GPU and is not covered here.
+a GPU and is not covered here. jax >= 0.11 takes the target's compute capability from the device (or an abstract
+one): without a GPU here, the lowering names the lent machine's H200 (`_cuda_target`).
 """
 import functools
 
@@ -25,6 +26,12 @@ CONFIGS = [
         (1, 32, 4, 2, 128, jnp.bfloat16), (2, 64, 3, 2, 64, jnp.float16), (4, 32, 1, 1, 64, jnp.float32),
         (2, 32, 4, 1, 128, jnp.float32), (1, 64, 3, 1, 64, jnp.bfloat16)]
 ]
+
+
+def _cuda_target():
+  """An abstract mesh whose device is an H200 (sm_90): what Pallas' Triton lowering reads the target from."""
+  gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
 
 
 def _key_args(b, kh, head_dim, bits, group_size, dtype):
@@ -57,15 +64,17 @@ def _mixed_call(bits, group_size, gqa, t, head_dim, dtype):
 @pytest.mark.parametrize("bits,group_size,gqa,t,head_dim,dtype", CONFIGS)
 def test_lowers_for_cuda_with_triton(make_call, bits, group_size, gqa, t, head_dim, dtype):
   fn, args = make_call(bits, group_size, gqa, t, head_dim, dtype)
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with _cuda_target():
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert TRITON_CALL in text          # the kernel became a Triton custom call with its IR embedded
 
 
 @pytest.mark.parametrize("make_call", [_quant_scores_call, _mixed_call], ids=["quant_scores", "mixed"])
 def test_exports_for_cuda(make_call):
   fn, args = make_call(2, 32, 4, 2, 128, jnp.bfloat16)
-  exported = jax.export.export(
-      fn, platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+  with _cuda_target():
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
   assert exported.platforms == ("cuda",)
   assert TRITON_CALL in exported.mlir_module()
