@@ -68,6 +68,10 @@ def test_bytes_and_flops_formulas():
   flops = peer.prefill_flops(cfg, 1, 8192)                       # the issue's ≈ 4.5 TFLOP counts the whole LM head
   assert 3.9e12 < flops < 4.2e12
   assert peer.prefill_flops(cfg, 4, 1024) == 4 * peer.prefill_flops(cfg, 1, 1024)
+  # a decode step at context 1 is a one-token prefill; rows scale batch x width; attention 4·L·heads·h per position
+  assert peer.decode_flops(cfg, 1, 1) == peer.prefill_flops(cfg, 1, 1)
+  assert peer.decode_flops(cfg, 4, 8192, 2) == 8 * peer.decode_flops(cfg, 1, 8192)
+  assert peer.decode_flops(cfg, 1, 8192) - peer.decode_flops(cfg, 1, 4096) == 4 * 30 * 9 * 64 * 4096
 
 
 def test_machine_limits_are_measured():
@@ -110,12 +114,18 @@ def test_peer_bench_end_to_end(tmp_path):
       assert rec["tokens_per_s"] == pytest.approx(cell["batch"] / rec["step_s"])
       assert rec["bytes_per_step"] == rec["weight_bytes_per_step"] + rec["cache_bytes_per_step"]
       assert rec["x_floor"] == pytest.approx(rec["step_s"] / rec["floor_step_s"])
+      assert rec["compute_floor_step_s"] == pytest.approx(rec["step_flops"] / meta["limits"]["matmul"]["best_flops"])
+      assert rec["roofline_step_s"] == max(rec["floor_step_s"], rec["compute_floor_step_s"])
+      assert rec["x_roofline"] == pytest.approx(rec["step_s"] / rec["roofline_step_s"]) <= rec["x_floor"]
       assert rec["decode_speed_vs_ref"] > 0 and rec["prefill_time_vs_ref"] > 0
     ref = cell["methods"][c.reference]
     assert ref["decode_speed_vs_ref"] == 1.0 and ref["mode"] == "hf"
     full = cell["methods"]["full"]["cache_bytes_per_step"]
     assert cell["methods"][c.reference]["cache_bytes_per_step"] == full           # the same fp cache
     assert cell["methods"]["specache_1bit"]["cache_bytes_per_step"] < full
+    # SpeCache decodes two rows per sequence (real + speculative): twice the full cache's step FLOPs
+    assert cell["methods"]["specache_1bit"]["step_flops"] == 2 * cell["methods"]["full"]["step_flops"]
+    assert cell["methods"][c.reference]["step_flops"] == cell["methods"]["full"]["step_flops"]
   assert len(result["targets"]) == 6 and all({"rule", "met", "values"} <= set(t) for t in result["targets"])
   points = result["scaling"]["points"]
   assert [p["context"] for p in points] == list(c.scaling.contexts)

@@ -228,11 +228,29 @@ def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
   return float(batch * (2 * per_token * prompt_len + attn + 2 * d * cfg.vocab_size))
 
 
-def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict) -> None:
+def decode_flops(cfg, batch: int, context: int, width: int = 1) -> float:
+  """FLOPs of one decode step of `batch` sequences with `width` query rows each (SpeCache: 2, the real and the
+  speculative token): every weight product (the LM head included) for every row, and attention over `context`
+  positions counted as dense fp math (QKᵀ and PV), whatever the cache stores — a low-bit method does the same
+  products on dequantized values (table lookups can do fewer; this is the floor of the straightforward way)."""
+  d, h, rows = cfg.dim, cfg.head_dim, batch * width
+  per_row = cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
+  attn = 4 * cfg.n_layers * cfg.n_heads * h * context
+  return float(rows * (2 * per_row + attn + 2 * d * cfg.vocab_size))
+
+
+def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict, step_flops: float = 0.0) -> None:
+  """A step's floors: bytes at the read bandwidth (`x_floor`, issue 10's yardstick) and, where `step_flops` is
+  given, its FLOPs at the GEMM rate; the roofline floor is the larger (`x_roofline`)."""
   bw, fl = limits["read_bandwidth"]["best_Bps"], limits["matmul"]["best_flops"]
   rec["bytes_per_step"] = int(bytes_per_step)
   rec["floor_step_s"] = bytes_per_step / bw
   rec["x_floor"] = timing.ratio(rec.get("step_s"), rec["floor_step_s"])
+  if step_flops:
+    rec["step_flops"] = step_flops
+    rec["compute_floor_step_s"] = step_flops / fl
+    rec["roofline_step_s"] = max(rec["floor_step_s"], rec["compute_floor_step_s"])
+    rec["x_roofline"] = timing.ratio(rec.get("step_s"), rec["roofline_step_s"])
   rec["prefill_flops"] = flops
   rec["prefill_floor_s"] = flops / fl
   rec["prefill_x_floor"] = timing.ratio(rec.get("prefill_s"), rec["prefill_floor_s"])
@@ -301,11 +319,12 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
   slots = states.cell_slots(prompt_len, config.warmup + config.rounds * config.steps + 1)
   cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "slots": slots, "methods": {}}
   runners, wbytes, item = {}, weight_bytes_per_step(cfg, model.params), jnp.dtype(dtype).itemsize
-  cache_bytes = {}
+  cache_bytes, widths = {}, {}
   for label in exp_methods.labels(config):
     try:
       method = exp_methods.build(config, label, cfg, slots, dtype)
       cache_bytes[label] = device_bytes_at(method, cfg, context, dtype, batch)
+      widths[label] = method.decode_width
       t0 = time.perf_counter()
       runners[label] = make_runner(model, method, tokens, lengths, slots)
       runners[label].record.update(method=exp_methods.describe(method), setup_s=time.perf_counter() - t0)
@@ -326,7 +345,8 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
       rec["tokens_per_s"] = batch / rec["step_s"]
       rec["cache_bytes_per_step"] = int(cache_bytes[label])
       rec["weight_bytes_per_step"] = wbytes
-      _floors(rec, wbytes + cache_bytes[label], flops, limits)
+      _floors(rec, wbytes + cache_bytes[label], flops, limits,
+              decode_flops(cfg, batch, context, widths.get(label, 1)))
       log(f"S={context} B={batch} {label}: prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step "
           f"({rec['x_floor']:.2f}x floor), {rec['tokens_per_s']:.1f} tok/s")
   _ratios(cell, config.reference)
@@ -403,7 +423,8 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
         method = exp_methods.build(config, label, cfg, slots, dt)
         steppers[label] = StateStepper(model.params, layer_params, cfg, method, captured, first, lens, slots)
         point["methods"][label] = {"method": exp_methods.describe(method),
-                                   "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch)}
+                                   "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch),
+                                   "decode_width": method.decode_width}
         steppers[label].chain(max(sc.warmup, 1))
       except Exception as e:  # memory at long contexts: recorded, the others go on
         steppers.pop(label, None)
@@ -417,7 +438,8 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
     for label, xs in samples.items():
       rec = point["methods"][label]
       rec.update(step_s=statistics.median(xs), rounds_step_s=xs)
-      _floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits)
+      _floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits,
+              decode_flops(cfg, sc.batch, context, rec["decode_width"]))
       log(f"scaling S={context} {label}: {rec['step_s'] * 1e3:.1f} ms/step ({rec['x_floor']:.2f}x floor)")
   return {"model": str(getattr(model, "source", sc.model)), "shape": sc.model, "batch": sc.batch, "weight_bytes_per_step": wbytes,
           "warmup": sc.warmup, "steps": sc.steps, "rounds": sc.rounds, "points": points}

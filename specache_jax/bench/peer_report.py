@@ -5,6 +5,10 @@ def _f(x, fmt="{:.2f}", none="—") -> str:
   return none if x is None else fmt.format(x)
 
 
+def _ms(seconds):
+  return None if seconds is None else seconds * 1e3
+
+
 def _size(n: float) -> str:
   for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= scale:
@@ -56,7 +60,10 @@ def markdown(result: dict, plot_name: str = "") -> str:
            f"`{ref}` in the same cell: decode = tok/s ÷ its tok/s (> 1 faster), prefill = seconds ÷ its seconds "
            "(< 1 faster)",
            "- bytes/step = weights + the cache the method attends at the cell's context (from shapes); × floor = "
-           "step time ÷ (bytes/step ÷ read bandwidth); prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)", ""]
+           "step time ÷ (bytes/step ÷ read bandwidth); compute floor = the step's FLOPs (every weight product for "
+           "each query row — SpeCache decodes 2 per sequence — and attention counted as dense fp math) ÷ GEMM "
+           "rate; × roofline = step time ÷ the larger floor; prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)",
+           ""]
   par = result["parity"]
   lines += ["## The two sides run the same model", "",
             f"Greedy tokens, ours (`sj.generate`, full cache) vs the peer (DynamicCache), {par['batch']} random "
@@ -84,18 +91,19 @@ def markdown(result: dict, plot_name: str = "") -> str:
   for c in result["cells"]:
     for label, r in c.get("methods", {}).items():
       if "step_s" not in r:
-        rows.append([str(c["context"]), str(c["batch"]), label, f"skipped: {r.get('skipped')}"] + [""] * 8)
+        rows.append([str(c["context"]), str(c["batch"]), label, f"skipped: {r.get('skipped')}"] + [""] * 10)
         continue
       rows.append([str(c["context"]), str(c["batch"]), label, f"{r['prefill_s']:.2f}",
                    _f(r.get("prefill_x_floor"), "{:.1f}"), f"{r['step_s'] * 1e3:.3g}", f"{r['tokens_per_s']:.1f}",
                    _f(r.get("decode_speed_vs_ref")), f"{_size(r['weight_bytes_per_step'])} + "
                    f"{_size(r['cache_bytes_per_step'])}", f"{r['floor_step_s'] * 1e3:.3g}",
-                   _f(r.get("x_floor"))])
+                   _f(r.get("x_floor")), _f(_ms(r.get("compute_floor_step_s")), "{:.3g}"),
+                   _f(r.get("x_roofline"))])
     if "skipped" in c:
-      rows.append([str(c["context"]), str(c["batch"]), "all", f"skipped: {c['skipped']}"] + [""] * 8)
+      rows.append([str(c["context"]), str(c["batch"]), "all", f"skipped: {c['skipped']}"] + [""] * 10)
   lines += ["", "## Every cell", ""] + _table(
       ["S", "B", "method", "prefill s", "prefill × floor", "ms/step", "tok/s", f"decode × {ref}",
-       "bytes/step (weights + cache)", "floor ms", "× floor"], rows) + [""]
+       "bytes/step (weights + cache)", "floor ms", "× floor", "compute floor ms", "× roofline"], rows) + [""]
   lines += ["## Issue 10's targets on this run", ""] + _table(
       ["rule", "met", "values"],
       [[t["rule"], {True: "**met**", False: "**not met**", None: "not measured"}[t["met"]],

@@ -4,7 +4,7 @@
 // should be one pass over W whatever M is. XLA:CPU's dot takes ~1.65x the one-row time for two rows (measured
 // on the 2-core AVX-512 machine, [576, 1536] fp32); these kernels stream W once and apply it to all M rows
 // from registers. Two layouts:
-//   "dn": W[D, N] row-major (projections: einsum "md,dn->mn"): column blocks of W, D in steps of 4 rows.
+//   "dn": W[D, N] row-major (projections: einsum "md,dn->mn"): column blocks of W, D in steps of 8 rows.
 //   "nd": W[N, D] row-major (a tied LM head: einsum "md,nd->mn"): blocks of rows of W, M·R dot products.
 // Work is split into blocks claimed from an atomic counter by the calling thread and by tasks scheduled on
 // XLA's intra-op thread pool; the caller only waits for blocks another thread already claimed (so two calls
@@ -36,9 +36,12 @@ using specache_cpu::Load;
 using specache_cpu::Store;
 using specache_cpu::V;
 
-// y_part[M, n0:n1] = x[M, d0:d1] · W[d0:d1, n0:n1] for W[D, N] row-major: rows of W are read in order, four at a
-// time (contiguous streams the prefetchers follow), each applied to all M rows; the accumulators (M x cols
-// floats) stay in L1/L2.
+// y_part[M, n0:n1] = x[M, d0:d1] · W[d0:d1, n0:n1] for W[D, N] row-major: rows of W are read in order, kGroup at a
+// time (contiguous streams the prefetchers follow), each applied to all M rows; the accumulators (M x cols floats)
+// stay in L1/L2 and are loaded and stored once per group. The M·kGroup row values are re-read from memory in the
+// inner loop (embedded broadcasts): hoisted, they would not fit in registers and spill as full vectors.
+constexpr int kGroup = 8;
+
 template <int M>
 void DnBlock(const float* __restrict x, int64_t d_total, const float* __restrict w, int64_t n_total,
              int64_t d0, int64_t d1, int64_t n0, int64_t n1, float* __restrict part) {
@@ -47,24 +50,29 @@ void DnBlock(const float* __restrict x, int64_t d_total, const float* __restrict
   for (int m = 0; m < M; ++m)
     for (int64_t n = 0; n < nb; ++n) part[m * n_total + n0 + n] = 0.f;
   int64_t d = d0;
-  for (; d + 4 <= d1; d += 4) {
+  for (; d + kGroup <= d1; d += kGroup) {
     const float* w0 = w + d * n_total + n0;
-    const float* w1 = w0 + n_total;
-    const float* w2 = w1 + n_total;
-    const float* w3 = w2 + n_total;
-    float xs[M][4];
+    float xs[M * kGroup];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) xs[m][j] = x[m * d_total + d + j];
+      for (int j = 0; j < kGroup; ++j) xs[m * kGroup + j] = x[m * d_total + d + j];
     for (int64_t n = 0; n < whole; n += kLanes) {
-      const V a = Load(w0 + n), b = Load(w1 + n), e = Load(w2 + n), f = Load(w3 + n);
+      V a[kGroup];
+      for (int j = 0; j < kGroup; ++j) a[j] = Load(w0 + j * n_total + n);
+      const float* xp = xs;
+      asm("" : "+r"(xp));                                // opaque: not hoisted out of the loop (see above)
       for (int m = 0; m < M; ++m) {
         float* out = part + m * n_total + n0 + n;
-        Store(out, Load(out) + xs[m][0] * a + xs[m][1] * b + xs[m][2] * e + xs[m][3] * f);
+        V s0 = Load(out) + xp[m * kGroup] * a[0], s1 = xp[m * kGroup + 1] * a[1];   // two FMA chains
+        for (int j = 2; j < kGroup; j += 2) {
+          s0 += xp[m * kGroup + j] * a[j];
+          s1 += xp[m * kGroup + j + 1] * a[j + 1];
+        }
+        Store(out, s0 + s1);
       }
     }
     for (int64_t n = whole; n < nb; ++n)
       for (int m = 0; m < M; ++m)
-        part[m * n_total + n0 + n] += xs[m][0] * w0[n] + xs[m][1] * w1[n] + xs[m][2] * w2[n] + xs[m][3] * w3[n];
+        for (int j = 0; j < kGroup; ++j) part[m * n_total + n0 + n] += xs[m * kGroup + j] * w0[j * n_total + n];
   }
   for (; d < d1; ++d) {
     const float* wr = w + d * n_total + n0;
@@ -143,7 +151,7 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
       // items: (a range of rows of W) x (a range of columns); each row range sums into its own partial [M, N]
       p.col_blocks = (p.n + kColBlock - 1) / kColBlock;
       p.row_parts = std::max<int64_t>(1, std::min<int64_t>(kRowParts, d / 64));
-      p.rows_per_part = (d / p.row_parts + 3) / 4 * 4;
+      p.rows_per_part = (d / p.row_parts + kGroup - 1) / kGroup * kGroup;
       part_floats += p.row_parts * m * p.n;
     }
     n_items += p.col_blocks * p.row_parts;
