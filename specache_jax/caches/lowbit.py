@@ -62,6 +62,30 @@ def ring_positions(lengths_B, residual: int):
   return jnp.where(pos >= 0, pos, -1)
 
 
+def ring_rows_at(st: LowBit, lengths_B, t: int):
+  """(keys, values) [B, K, t, H]: the ring slots that appending t rows at lengths[b].. will overwrite (t <= R).
+  Saved before the appends, they give back the ring as it was (`ring_before`), so the appends update the
+  ring in place: with the whole old ring still read afterwards, XLA would copy it (4 ring copies per layer and
+  step, ~9 ms of a SmolLM2 8k batch-4 SpeCache step)."""
+  residual = st.ring_k.shape[2]
+  slots = jnp.mod(lengths_B[:, None] + jnp.arange(t)[None, :], residual)[:, None, :, None]   # [B, 1, t, 1]
+  return (jnp.take_along_axis(st.ring_k, slots, axis=2), jnp.take_along_axis(st.ring_v, slots, axis=2))
+
+
+def ring_before(st: LowBit, saved, lengths_B):
+  """(ring_k, ring_v) as they were before rows were appended at lengths[b]..: st's ring with the overwritten
+  slots given their saved rows (`ring_rows_at`) back — the same values, as an expression XLA fuses into its
+  readers."""
+  residual = st.ring_k.shape[2]
+  slot = jnp.arange(residual)[None, None, :, None]
+  ring_k, ring_v = st.ring_k, st.ring_v
+  for i in range(saved[0].shape[2]):
+    hit = slot == jnp.mod(lengths_B + i, residual)[:, None, None, None]              # [B, 1, R, 1]
+    ring_k = jnp.where(hit, saved[0][:, :, i:i + 1], ring_k)
+    ring_v = jnp.where(hit, saved[1][:, :, i:i + 1], ring_v)
+  return ring_k, ring_v
+
+
 def _update_rows(buf, rows, start_B, enable_B):
   """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged); one in-place
   `dynamic_update_slice` per batch row (see attention.write_rows)."""

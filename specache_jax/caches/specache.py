@@ -465,8 +465,9 @@ def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   κ_{t+1} and fetch it. Offloaded, the runtime does the fetches of (1) and (3) with its host store;
   simulated, `_fetch` gathers on the device. Storing first lets every big buffer be updated in place: what
   this step reads of them (positions < lengths) is not what it writes."""
-  ring = (st.low.ring_k, st.low.ring_v)
+  saved = lowbit.ring_rows_at(st.low, lengths, 1)
   st = store(method, st, k_new[:, 0], v_new[:, 0], lengths)
+  ring = lowbit.ring_before(st.low, saved, lengths)
   if fetches_on_critical_path(method) and not method.offload:
     st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths, ring))
   out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths, ring)
