@@ -166,6 +166,9 @@ def test_overlap_measurement_returns_numbers_in_range(model):
     assert out[key] > 0 and len(out["rounds_s"][key[:-2]]) == 2
   assert 0.0 <= out["fraction_hidden"] <= 1.0 and np.isfinite(out["fraction_hidden_raw"])
   assert 0.0 < out["fetch_issue_s"] and len(out["rounds_s"]["fetch_issue"]) == 2
+  # the dispatching thread's CPU per step: positive, at most the pipelined step's wall time (it is part of it)
+  assert 0.0 < out["dispatch_cpu_s"] and len(out["rounds_s"]["dispatch_cpu"]) == 2
+  assert out["dispatch_cpu_us_per_layer"] == pytest.approx(out["dispatch_cpu_s"] / model.config.n_layers * 1e6)
   with pytest.raises(ValueError, match="offloaded speculative"):
     overlap.measure(model, sj.cache_config(**SMALL), 96, 2, 2, 2, 3, 16, 0)
 

@@ -7,7 +7,9 @@ On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` de
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer's attention).
 fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). Also measured: the time the
 dispatching thread spends just issuing (b) — that part sits on the step's critical path whatever the
-transfer does. Each host store configured is measured separately. On a CPU the overlap only
+transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`: dispatching the
+per-layer programs and issuing the fetches, not its waits), reported per layer. Each host store configured is
+measured separately. On a CPU the overlap only
 shows with single-threaded XLA, so `run_configured` measures in a subprocess with
 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
 
@@ -72,6 +74,18 @@ def issue_seconds(rt, n: int) -> float:
   return total / n
 
 
+def dispatch_cpu_seconds(drv, carry, n: int):
+  """(mean CPU seconds the calling thread spends inside one pipelined `drv.step`, carry): what the runtime's
+  per-layer dispatch costs the dispatching thread (its waits for fetches or results do not count)."""
+  total = 0.0
+  for _ in range(n):
+    c0 = time.thread_time()
+    carry = drv.step(carry)
+    total += time.thread_time() - c0
+  timing.block(drv.sync(carry))
+  return total / n, carry
+
+
 def measure(model, method, context: int, batch: int, steps: int, rounds: int, warmup: int, margin: int,
             seed: int) -> dict:
   """Medians over `rounds` of (a), (b), (c), each the mean over `steps` steps; method must be offloaded."""
@@ -94,19 +108,24 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
 
   _, carry = resident_steps(carry, 2)                     # untimed: any compile the (a) variant triggers
   fetch_all_layers(rt)
-  a, b, c, d = [], [], [], []
+  a, b, c, d, e = [], [], [], [], []
   for _ in range(rounds):
     sec, carry = timing.time_chain(drv.step, carry, 0, steps, sync=drv.sync)
     c.append(sec)
+    sec, carry = dispatch_cpu_seconds(drv, carry, steps)
+    e.append(sec)
     sec, carry = resident_steps(carry, steps)
     a.append(sec)
     b.append(timing.time_calls(lambda: fetch_all_layers(rt), 0, steps)["mean_s"])
     d.append(issue_seconds(rt, steps))
   ma, mb, mc = statistics.median(a), statistics.median(b), statistics.median(c)
   raw = (ma + mb - mc) / mb if mb > 0 else float("nan")
+  n_layers = model.config.n_layers
   return {"context": context, "batch": batch, "store": real.kind, "steps": steps, "rounds": rounds,
           "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc, "fetch_issue_s": statistics.median(d),
-          "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c, "fetch_issue": d},
+          "dispatch_cpu_s": statistics.median(e), "n_layers": n_layers,
+          "dispatch_cpu_us_per_layer": statistics.median(e) / n_layers * 1e6,
+          "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c, "fetch_issue": d, "dispatch_cpu": e},
           "fraction_hidden_raw": raw, "fraction_hidden": min(max(raw, 0.0), 1.0),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average_1_5_15": timing.load_average()}
 

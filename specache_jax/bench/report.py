@@ -113,13 +113,18 @@ def throughput_markdown(result: dict) -> str:
                 f"of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
                 "(a) compute alone: the offloaded step with every fetch answered by rows already on the device; "
                 "(b) fetch alone: all layers' host gathers + `device_put`, blocked; (c) the pipelined step; "
-                "issue: the part of (b) the dispatching thread spends issuing the fetches. "
+                "issue: the part of (b) the dispatching thread spends issuing the fetches; the dispatching "
+                "thread's CPU: `time.thread_time` inside (c)'s step (per-layer program dispatch and fetch "
+                "issue, not its waits). "
                 "Fraction hidden = (a + b − c) / b, clipped to [0, 1].", ""]
       rows = [[name] + [_ms(st[key + "_s"]) for st in stores.values()]
               for name, key in (("(a) compute alone", "compute_alone"), ("(b) fetch alone", "fetch_alone"),
                                 ("issue part of (b)", "fetch_issue"), ("(c) pipelined", "pipelined"))]
       rows.append(["fraction hidden"] + [f"{st['fraction_hidden']:.2f} (raw {st['fraction_hidden_raw']:.2f})"
                                          for st in stores.values()])
+      rows.append(["dispatching thread's CPU per pipelined step (µs per layer)"] + [
+          f"{_ms(st['dispatch_cpu_s'])} ({st['dispatch_cpu_us_per_layer']:.0f} µs)" if "dispatch_cpu_s" in st
+          else "—" for st in stores.values()])
       lines += _table(["ms per step", *[f"store `{k}`" for k in stores]], rows) + [""]
       if ov.get("nonspeculative_step_s") is not None:
         lines += [f"Non-speculative step (κ chosen and fetched on the critical path, store "
