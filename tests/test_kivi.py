@@ -27,6 +27,28 @@ def test_ring_positions_hold_the_last_window():
   assert pos.tolist() == [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]]
 
 
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_ring_before_gives_back_the_ring_as_it_was_before_the_appends(t):
+  """The steps keep only the slots the appends overwrite (`ring_rows_at`) and rebuild the old ring from the new
+  one (`ring_before`), so the ring is written in place: the rebuilt ring equals the old one exactly, on ragged
+  rows (one wrapping past the ring's end, one at length 0)."""
+  rng = np.random.default_rng(t)
+  b, n_kv, residual, h = 3, 2, 8, 16
+  st = lowbit.init(b, n_kv, 64, h, 2, 8, residual, jnp.float32)
+  st = st.replace(ring_k=jnp.asarray(rng.standard_normal((b, n_kv, residual, h)), jnp.float32),
+                  ring_v=jnp.asarray(rng.standard_normal((b, n_kv, residual, h)), jnp.float32))
+  lengths = jnp.asarray([13, 0, 30], jnp.int32)
+  saved = lowbit.ring_rows_at(st, lengths, t)
+  new = st
+  for i in range(t):
+    k, v = (jnp.asarray(rng.standard_normal((b, n_kv, h)), jnp.float32) for _ in range(2))
+    new = lowbit.append(new, k, v, lengths + i, bits=2, group_size=8, residual=residual, one_bit="kivi")
+  assert not np.array_equal(np.asarray(new.ring_k), np.asarray(st.ring_k))
+  ring_k, ring_v = lowbit.ring_before(new, saved, lengths)
+  np.testing.assert_array_equal(np.asarray(ring_k), np.asarray(st.ring_k))
+  np.testing.assert_array_equal(np.asarray(ring_v), np.asarray(st.ring_v))
+
+
 def test_kivi_error_shrinks_with_bits_and_8_bit_is_close_to_full():
   model = tiny_model(seed=11, head_dim=16)
   prompt = random_prompts(1, [70], model.config.vocab_size)[0]
