@@ -219,11 +219,17 @@ def peer_cache_bytes(spec: dict, cfg, context: int, batch: int, itemsize: int) -
   return elems * spec.get("nbits", 4) // 8 + 2 * elems // spec.get("q_group_size", 64) * itemsize
 
 
+def _weight_macs_per_token(cfg) -> int:
+  """Multiply-adds of one token's projections and MLP over all layers (the LM head apart)."""
+  d, h = cfg.dim, cfg.head_dim
+  return cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
+
+
 def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
   """Matmul FLOPs of the projections and MLP for every prompt token, causal attention (QKᵀ and PV over the lower
   triangle), and the LM head at the last position."""
   d, h = cfg.dim, cfg.head_dim
-  per_token = cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
+  per_token = _weight_macs_per_token(cfg)
   attn = 2 * cfg.n_layers * cfg.n_heads * h * prompt_len * (prompt_len + 1)
   return float(batch * (2 * per_token * prompt_len + attn + 2 * d * cfg.vocab_size))
 
@@ -233,10 +239,9 @@ def decode_flops(cfg, batch: int, context: int, width: int = 1) -> float:
   speculative token): every weight product (the LM head included) for every row, and attention over `context`
   positions counted as dense fp math (QKᵀ and PV), whatever the cache stores — a low-bit method does the same
   products on dequantized values (table lookups can do fewer; this is the floor of the straightforward way)."""
-  d, h, rows = cfg.dim, cfg.head_dim, batch * width
-  per_row = cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
-  attn = 4 * cfg.n_layers * cfg.n_heads * h * context
-  return float(rows * (2 * per_row + attn + 2 * d * cfg.vocab_size))
+  d, rows = cfg.dim, batch * width
+  attn = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
+  return float(rows * (2 * _weight_macs_per_token(cfg) + attn + 2 * d * cfg.vocab_size))
 
 
 def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict, step_flops: float = 0.0) -> None:

@@ -82,12 +82,11 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
   b, t, _, _ = q.shape
   n_kv = k_new.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  fits = t <= method.residual                  # the overwritten slots saved, the ring is updated in place
-  saved = lowbit.ring_rows_at(st.low, lengths, t) if fits else (st.low.ring_k, st.low.ring_v)
+  saved = lowbit.ring_rows_at(st.low, lengths, min(t, method.residual))   # the ring is then updated in place
   low = st.low
   for i in range(t):
     low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **method.qargs)
-  old_ring = lowbit.ring_before(low, saved, lengths) if fits else saved
+  old_ring = lowbit.ring_before(low, saved, lengths)
   view = low.replace(ring_k=old_ring[0], ring_v=old_ring[1])
   s = low.k_codes.shape[2]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)

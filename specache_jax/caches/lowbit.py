@@ -63,8 +63,9 @@ def ring_positions(lengths_B, residual: int):
 
 
 def ring_rows_at(st: LowBit, lengths_B, t: int):
-  """(keys, values) [B, K, t, H]: the ring slots that appending t rows at lengths[b].. will overwrite (t <= R).
-  Saved before the appends, they give back the ring as it was (`ring_before`), so the appends update the
+  """(keys, values) [B, K, t, H]: the ring slots that appending t rows at lengths[b].. will overwrite (t <= R;
+  more rows only overwrite the same R slots again, so min(rows, R) saves them all). Saved before the appends,
+  they give back the ring as it was (`ring_before`), so the appends update the
   ring in place: with the whole old ring still read afterwards, XLA would copy it (4 ring copies per layer and
   step, ~9 ms of a SmolLM2 8k batch-4 SpeCache step)."""
   residual = st.ring_k.shape[2]
