@@ -1,6 +1,7 @@
 """The host-memory 16-bit KV store, its asynchronous top-k row fetch, and the up-front memory plan.
 
-Two stores behind one interface (`write_prompt`, `write_block`, `fetch`):
+Two stores behind one interface (`write_prompt`, `write_block`, `fetch` of a group of consecutive layers' κ
+rows; the result's item i is layer i of the group's (k, v) rows, a pair or one [2, B, K, X, H] array):
   PinnedHostStore  per-layer K/V arrays with `memory_kind="pinned_host"` shardings. Writes and the κ gather run
                    as host computations (`compute_on("device_host")`) on those arrays, and only the gathered
                    block [B, K, X, H] moves to the device with `jax.device_put` — nothing on the device ever
@@ -237,11 +238,14 @@ class PinnedHostStore:
     self.k[layer] = _host_write_where(self.k[layer], self._put_host(k_BKTH), start, write)
     self.v[layer] = _host_write_where(self.v[layer], self._put_host(v_BKTH), start, write)
 
-  def fetch(self, layer, kappa_BKX):
-    idx = self._put_host(kappa_BKX)
-    k_rows = jax.device_put(_host_gather(self.k[layer], idx), self.on_device)
-    v_rows = jax.device_put(_host_gather(self.v[layer], idx), self.on_device)
-    return Ready((k_rows, v_rows))
+  def fetch(self, layers, kappas_BKX):
+    """The rows at κ of each layer in `layers` -> Ready(((k_rows, v_rows) per layer)), each [B, K, X, H]."""
+    out = []
+    for layer, kappa_BKX in zip(layers, kappas_BKX, strict=True):
+      idx = self._put_host(kappa_BKX)
+      out.append((jax.device_put(_host_gather(self.k[layer], idx), self.on_device),
+                  jax.device_put(_host_gather(self.v[layer], idx), self.on_device)))
+    return Ready(tuple(out))
 
   def arrays(self):
     return self.k + self.v
@@ -257,10 +261,11 @@ class PinnedHostStore:
 # ----- numpy fallback: a background thread gathers, device_put transfers -----
 
 def take_rows(buf_LBKSH: np.ndarray, idx_BKX: np.ndarray) -> np.ndarray:
-  """Rows of buf [..., B, K, S, H] (any leading axes, e.g. K and V stacked) at slots idx [B, K, X] (clipped into
-  range, as `attention.gather_rows`) -> a new [..., B, K, X, H] array. One `np.take` of whole rows over the
-  flattened [rows, H] view: np.take_along_axis builds an index per element (~6x slower here, ~15 ms of a
-  2-core CPU per step at 30 layers, competing with the step's compute)."""
+  """Rows of buf [..., B, K, S, H] (any leading axes, e.g. layers and K/V stacked) at slots idx [..., B, K, X]
+  (broadcast against the leading axes, e.g. [G, 1, B, K, X] for the same κ for K and V; clipped into range, as
+  `attention.gather_rows`) -> a new [..., B, K, X, H] array. One `np.take` of whole rows over the flattened
+  [rows, H] view: np.take_along_axis builds an index per element (~6x slower here, ~15 ms of a 2-core CPU per
+  step at 30 layers, competing with the step's compute)."""
   *lead, s, h = buf_LBKSH.shape
   n = int(np.prod(lead))
   flat = np.arange(n, dtype=np.int64).reshape(tuple(lead) + (1,)) * s + np.clip(idx_BKX, 0, s - 1)
@@ -273,10 +278,10 @@ class NumpyHostStore:
   def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
     self.device = device or jax.devices()[0]
     self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
-    self.on_device_kv = self.on_device                           # the fetched [2, B, K, X, H]
+    self.on_device_kv = self.on_device                           # the fetched [G, 2, B, K, X, H]
     shape = (batch, n_kv, slots, head_dim)
-    self._kv = [np.zeros((2,) + shape, jnp.dtype(dtype)) for _ in range(n_layers)]   # K and V of a layer, one
-    self.k = [kv[0] for kv in self._kv]                                               # gather for both
+    self._kv = np.zeros((n_layers, 2) + shape, jnp.dtype(dtype))   # all layers' K and V: one gather per group
+    self.k = [kv[0] for kv in self._kv]
     self.v = [kv[1] for kv in self._kv]
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-host")
 
@@ -297,10 +302,17 @@ class NumpyHostStore:
         self.v[layer][b, :, start_B[b]:start_B[b] + t] = v[b]
     self._pool.submit(job)
 
-  def fetch(self, layer, kappa_BKX):
+  def fetch(self, layers, kappas_BKX):
+    """Consecutive `layers`' rows at their κ [B, K, X] -> a future of one [G, 2, B, K, X, H] device array (item i:
+    layer i's K and V rows): one gather and one transfer per group, on the worker thread."""
+    layers = tuple(layers)
+    if list(layers) != list(range(layers[0], layers[0] + len(layers))) or len(kappas_BKX) != len(layers):
+      raise ValueError(f"fetch needs consecutive layers with one κ each; got layers {layers} and "
+                       f"{len(kappas_BKX)} κ arrays")
     def job():
-      # one array [2, B, K, X, H] (K rows, V rows): one transfer; consumers unpack it as (k, v) inside their jit
-      return jax.device_put(take_rows(self._kv[layer], np.asarray(kappa_BKX)), self.on_device_kv)
+      idx = np.stack([np.asarray(k) for k in kappas_BKX])[:, None]                # [G, 1, B, K, X]
+      rows = take_rows(self._kv[layers[0]:layers[-1] + 1], idx)                   # [G, 2, B, K, X, H]
+      return jax.device_put(rows, self.on_device_kv)
     return self._pool.submit(job)
 
   def arrays(self):
@@ -310,7 +322,7 @@ class NumpyHostStore:
 
   @property
   def nbytes(self) -> int:
-    return int(sum(a.nbytes for a in self.k + self.v))
+    return int(self._kv.nbytes)
 
   def close(self):
     self._pool.shutdown(wait=True)
@@ -326,7 +338,7 @@ class _MeshPlacement:
     self.device = mesh.devices.flat[0]
     self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
     self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
-    self.on_device_kv = NamedSharding(mesh, P(None, "data", "model", None, None), memory_kind="device")
+    self.on_device_kv = NamedSharding(mesh, P(None, None, "data", "model", None, None), memory_kind="device")
 
   def _put_host(self, x):
     spec = sharding.layer_leaf_spec(x.shape, stacked=False)

@@ -1,16 +1,20 @@
-"""The offloaded SpeCache runtime: per-layer dispatch that overlaps the κ fetch with compute.
+"""The offloaded SpeCache runtime: dispatch in layer groups that overlaps the κ fetch with compute.
 
-Step t, layer l (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
-  1. κ_t: take layer l's rows fetched during step t-1 (double buffer: `pending[l]`), or — non-speculative,
+The layers run in a few consecutive groups (`layer_groups`; 5 calls per step by default), one jitted call per
+group: each call is a Python dispatch, and on a 2-core CPU or in front of a GPU the dispatching thread's time is
+not free. Step t, group g (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
+  1. κ_t: take group g's rows fetched during step t-1 (double buffer: `pending[g]`), or — non-speculative,
      exact_on_miss after a wrong guess, or drift (every layer: which heads drifted is known on the device only)
-     — choose κ_t from the real row now (`specache.kappa_for_step`) and fetch it synchronously (the fetch on
-     the critical path);
-  2. run the layer (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends with
-     the fetched rows, stores the real row on the device side and records κ_{t+1});
+     — choose each layer's κ_t from the real row now (`specache.kappa_for_step`) and fetch it synchronously,
+     layer by layer (the fetch on the critical path);
+  2. run the group's layers (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends
+     with the fetched rows, stores the real row on the device side and records κ_{t+1}); their states are
+     donated (updated in place);
   3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
      at once (the host only ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows);
-  4. issue the gather of κ_{t+1} rows on the host and their `jax.device_put` — before layer l+1 is dispatched,
-     so the transfer runs while layers l+1.. of step t compute.
+  4. issue the gather of the group's κ_{t+1} rows on the host and their `jax.device_put` (one block per group)
+     — before group g+1 is dispatched, so the transfer runs while groups g+1.. of step t compute; it is
+     needed only by group g of step t+1.
 The SpeCache step itself is written once, in caches/specache.py; here only the fetches differ (host store
 instead of a device gather), and every write of the method's state goes through its functions.
 """
@@ -36,22 +40,37 @@ def _keep(st, layout):
   return st if layout is None else jax.lax.with_sharding_constraint(st, layout)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "layout"))
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "layout"), donate_argnames=("st",))
 def _prefill_layer(lp, x, lengths, rope, st, *, cfg, method, layout=None):
   q, k, v = dec.attention_inputs(cfg, lp, x, rope)
   attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
   return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"))
-def _layer(lp, x, lengths, rope, st, rows=None, *, cfg, method, phase, layout=None):
-  """One layer. rows: (k, v) [B, K, X, H] fetched for the state's κ (a pair, or one [2, B, K, X, H] array as the
-  numpy store delivers it), installed first (one dispatch per layer
-  instead of two)."""
-  if rows is not None:
-    st = sc.with_fetched(st, st.kappa, *rows)
-  x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
-  return x, _keep(st, layout), aux
+DISPATCH_GROUPS = 5       # jitted calls per decoding step (OffloadRuntime's default)
+
+
+def layer_groups(n_layers: int, groups: int) -> tuple[tuple[int, ...], ...]:
+  """Layers 0..n_layers-1 as `groups` runs of consecutive layers (fewer when there are fewer layers), sizes
+  differing by at most one (so at most two compiled group programs)."""
+  if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+    raise ValueError(f"dispatch_groups={groups!r} must be an int >= 1 (jitted calls per decoding step)")
+  return tuple(tuple(int(l) for l in part) for part in np.array_split(np.arange(n_layers), min(groups, n_layers)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"), donate_argnames=("sts",))
+def _layers(lps, x, lengths, rope, sts, rows=None, *, cfg, method, phase, layout=None):
+  """Consecutive layers in one call; their states are donated. rows: for each layer i of the group, the
+  (k, v) [B, K, X, H] fetched for its state's κ (rows[i] a pair or one [2, B, K, X, H] array; all of rows
+  may be one [G, 2, B, K, X, H] array, as the numpy store delivers a group), installed first; None keeps the
+  rows each state holds."""
+  out = []
+  for i, (lp, st) in enumerate(zip(lps, sts)):
+    if rows is not None:
+      st = sc.with_fetched(st, st.kappa, *rows[i])
+    x, st, _ = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
+    out.append(_keep(st, layout))
+  return x, tuple(out)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
@@ -60,19 +79,18 @@ def _kappa_for_step(lp, x, lengths, rope, st, *, cfg, method):
   return sc.kappa_for_step(method, st, q, k, v, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("method",))
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnums=0)
 def _observe(states, missed_B, *, method):
   return observe_speculation(method, states, missed_B)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _with_fetched(st, rows):
   return sc.with_fetched(st, st.kappa, *rows)
 
 
-@functools.partial(jax.jit, static_argnames=("method",))
-def _with_kappa_rows(st, kappa, rows, *, method):
-  del method
+@functools.partial(jax.jit, donate_argnums=0)
+def _with_kappa_rows(st, kappa, rows):
   return sc.with_fetched(st, kappa, *rows)
 
 
@@ -109,13 +127,17 @@ class OffloadRuntime:
 
   mesh: lay params, per-layer states and the host store out on a ("data", "model") mesh (sharding.py).
   check_numerics: after every phase, check each layer's device state and the hidden state and raise
-    guards.NonFiniteError at the first bad step (it waits for each step: for debugging, not timing)."""
+    guards.NonFiniteError at the first bad step (it waits for each step: for debugging, not timing).
+  dispatch_groups: jitted calls per decoding step (`layer_groups`); each group's κ_{t+1} rows come back as
+    one host gather and one transfer. 1 would fetch every layer only after the whole step: keep it >= 2."""
 
   def __init__(self, params, cfg, method, batch: int, max_len: int, prompt_len: int | None = None,
-               device=None, check_memory: bool = True, mesh: Mesh | None = None, check_numerics: bool = False):
+               device=None, check_memory: bool = True, mesh: Mesh | None = None, check_numerics: bool = False,
+               dispatch_groups: int = DISPATCH_GROUPS):
     if not method.offload:
       raise ValueError(f"the offload runtime needs a SpeCache config with offload=True; got {method!r}")
     self.cfg, self.method, self.batch, self.max_len = cfg, method, batch, max_len
+    self.groups = layer_groups(cfg.n_layers, dispatch_groups)
     self.mesh, self.check_numerics = mesh, check_numerics
     if mesh is not None:
       params = sharding.shard_params(params, cfg, mesh)
@@ -128,6 +150,7 @@ class OffloadRuntime:
       self.plan.check()
     self.params = params
     self.layer_params = dec.unstack_layers(params["layers"], cfg.n_layers)
+    self.group_params = [tuple(self.layer_params[l] for l in g) for g in self.groups]
     self.store = None
     self.states = None
     self._stored = None          # numpy [B]: rows stored per batch row, counted on the host (no device sync)
@@ -169,26 +192,52 @@ class OffloadRuntime:
     self._guard(0, "prefill", logits)
     return logits
 
+  def _run_group(self, g, x, lengths_B, rope, rows, phase):
+    """Group g's layers in one call (states donated and replaced) -> x."""
+    layers = self.groups[g]
+    x, sts = _layers(self.group_params[g], x, lengths_B, rope, tuple(self.states[l] for l in layers), rows,
+                     cfg=self.cfg, method=self.method, phase=phase, layout=self.layout)
+    self.states[layers[0]:layers[-1] + 1] = sts
+    return x
+
+  def _fetch_group(self, g):
+    """Issue the host gather + transfer of group g's κ rows (the states' current κ) -> a pending fetch."""
+    return self.store.fetch(self.groups[g], tuple(self.states[l].kappa for l in self.groups[g]))
+
   def predecode(self, first_B, lengths_B):
-    """T1 over the low-bit copy; issues the fetch of κ_1 per layer right after that layer."""
+    """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
     pending = []
     x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, phase="predecode")
-    for l, lp in enumerate(self.layer_params):
-      x, self.states[l], _ = _layer(lp, x, lengths_B, rope, self.states[l], cfg=self.cfg, method=self.method,
-                                    phase="predecode", layout=self.layout)
-      pending.append(self.store.fetch(l, self.states[l].kappa))
+    for g in range(len(self.groups)):
+      x = self._run_group(g, x, lengths_B, rope, None, "predecode")
+      pending.append(self._fetch_group(g))
     self._guard(1, "predecode", x)
     return x, pending
 
+  def _critical_path_group(self, g, x, lengths_B, rope, rows):
+    """Group g layer by layer, each choosing κ_t from the real row and fetching it before its attend."""
+    kw = dict(cfg=self.cfg, method=self.method)
+    rope_1 = jax.tree.map(lambda r: r[:, :1], rope)
+    for i, l in enumerate(self.groups[g]):
+      st = self.states[l]
+      if rows is not None:
+        st = _with_fetched(st, rows[i])                                   # the prefetched rows, for unchanged heads
+      kappa = _kappa_for_step(self.layer_params[l], x[:, :1], lengths_B, rope_1, st, **kw)
+      st = _with_kappa_rows(st, kappa, self.store.fetch((l,), (kappa,)).result()[0])
+      x, (self.states[l],) = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, phase="decode",
+                                     layout=self.layout, **kw)
+    return x
+
   def step(self, inp_BW, lengths_B, pending, miss_B=None):
-    """One decoding step over all layers; returns (x [B, W, D], next pending fetches). lengths_B: the rows
-    stored before this step (may stay on the device: which rings fill is counted on the host from prefill's).
+    """One decoding step over all layers; returns (x [B, W, D], next pending fetches, one per layer group).
+    lengths_B: the rows stored before this step (may stay on the device: which rings fill is counted on the host
+    from prefill's).
 
     miss_B (numpy bool [B]): rows whose speculative token was wrong; with exact_on_miss they get the real
     row's own top-k fetched synchronously instead of the prefetched rows. With drift every layer picks its
     drifted heads on the device (`specache.corrected_heads`) and waits for the fetch of the κ that results
     (the prefetched rows for the other heads are fetched again: not yet restricted to the drifted heads)."""
-    method, kw = self.method, dict(cfg=self.cfg, method=self.method)
+    method = self.method
     self._step_index += 1
     if method.exact_on_miss and method.speculative and miss_B is not None:
       self.states = list(_observe(tuple(self.states), jnp.asarray(miss_B), method=method))
@@ -198,21 +247,18 @@ class OffloadRuntime:
     stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
-    for l, lp in enumerate(self.layer_params):
-      st, rows = self.states[l], None
-      if method.speculative:
-        rows = pending[l].result()                                        # κ_t prefetched during step t-1
+    for g, layers in enumerate(self.groups):
+      rows = pending[g].result() if method.speculative else None         # κ_t prefetched during step t-1
       if sync:
-        if rows is not None:
-          st = _with_fetched(st, rows)
-        kappa = _kappa_for_step(lp, x[:, :1], lengths_B, jax.tree.map(lambda r: r[:, :1], rope), st, **kw)
-        st, rows = _with_kappa_rows(st, kappa, self.store.fetch(l, kappa).result(), method=method), None
-      x, st, _ = _layer(lp, x, lengths_B, rope, st, rows, phase="decode", layout=self.layout, **kw)
-      self.states[l] = st
+        x = self._critical_path_group(g, x, lengths_B, rope, rows)
+      else:
+        x = self._run_group(g, x, lengths_B, rope, rows, "decode")
       if flushed.size:                                                   # rings just filled: R rows each
-        self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
+        for l in layers:
+          st = self.states[l]
+          self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
       if method.speculative:
-        nxt_pending.append(self.store.fetch(l, st.kappa))                 # κ_{t+1}: overlaps layers l+1..
+        nxt_pending.append(self._fetch_group(g))                          # κ_{t+1}: overlaps groups g+1..
     self._stored = stored
     self._guard(self._step_index, "decode", x)
     return x, nxt_pending

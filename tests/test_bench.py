@@ -177,11 +177,14 @@ def test_resident_store_answers_with_the_rows_already_held(model):
   method = sj.cache_config(**SMALL, offload=True)
   tokens, lengths = caches.random_prompts(2, 2, 112, model.config.vocab_size)
   drv = throughput.RuntimeDriver(model, method, 2, 128, 112)
-  drv.prefill(tokens, lengths)
-  res = overlap.ResidentStore(drv.rt.store, drv.rt)
-  k_rows, v_rows = res.fetch(1, drv.rt.states[1].kappa).result()
-  assert k_rows is drv.rt.states[1].fetched_k and v_rows is drv.rt.states[1].fetched_v
+  inp, lens, _ = drv.prefill(tokens, lengths)
+  res = overlap.ResidentStore(drv.rt.store)
+  assert res.fetch((1,), (drv.rt.states[1].kappa,)).result() is None          # the runtime keeps the held rows
   assert res.kind == drv.rt.store.kind and res.nbytes == drv.rt.store.nbytes
+  held = np.asarray(drv.rt.states[1].fetched_k)
+  drv.rt.store = res
+  drv.step((inp, lens, overlap.issue_all_layers(drv.rt)))
+  np.testing.assert_array_equal(np.asarray(drv.rt.states[1].fetched_k), held)
 
 
 def test_overlap_subprocess_runs_single_threaded_xla():

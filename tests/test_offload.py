@@ -118,7 +118,7 @@ def test_fetch_returns_before_its_data_is_ready_and_is_right_after():
   store.write_prompt(0, jnp.asarray(k), jnp.asarray(-k))
   kappa = jnp.asarray(rs.randint(0, 4096, size=(2, 3, 512)), jnp.int32)
   jax.block_until_ready(store.k[0])
-  k_rows, v_rows = store.fetch(0, kappa).result()
+  (k_rows, v_rows), = store.fetch((0,), (kappa,)).result()
   was_ready = k_rows.is_ready()
   expect = np.take_along_axis(k.swapaxes(1, 2), np.asarray(kappa)[..., None], axis=2)
   np.testing.assert_array_equal(np.asarray(k_rows), expect)
@@ -191,20 +191,20 @@ def test_pinned_pool_cap_comes_from_the_environment(monkeypatch):
 
 
 class _RecordingStore:
-  """Wraps a host store; logs ("fetch", n, layer) when a fetch is issued and ("wait", n, layer) when the
+  """Wraps a host store; logs ("fetch", n, layers) when a fetch is issued and ("wait", n, layers) when the
   runtime asks for its rows (n numbers the fetches in issue order)."""
 
   def __init__(self, store, log):
     self._store, self.log, self._n = store, log, 0
 
-  def fetch(self, layer, kappa):
+  def fetch(self, layers, kappas):
     n, self._n = self._n, self._n + 1
-    self.log.append(("fetch", n, layer))
-    pending, log = self._store.fetch(layer, kappa), self.log
+    self.log.append(("fetch", n, tuple(layers)))
+    pending, log = self._store.fetch(layers, kappas), self.log
 
     class Waited:
       def result(self):
-        log.append(("wait", n, layer))
+        log.append(("wait", n, tuple(layers)))
         return pending.result()
     return Waited()
 
@@ -212,33 +212,64 @@ class _RecordingStore:
     return getattr(self._store, name)
 
 
-@pytest.mark.parametrize("store", ["pinned_host", "numpy"])
-def test_each_fetch_is_issued_before_the_next_layer_and_waited_on_only_a_step_later(store):
-  """The pipeline's order, from the calls themselves (not timing): during step t, layer l's fetch of κ_{t+1}
-  is issued right after layer l and before layer l+1 waits for anything; the first wait on it comes in step
-  t+1, after every layer of step t has issued its own fetch."""
-  model, method, rt = _runtime(store=store)
+@pytest.mark.parametrize("store,n_layers,groups", [("pinned_host", 2, 5), ("numpy", 4, 2), ("numpy", 5, 2)])
+def test_each_fetch_is_issued_before_the_next_group_and_waited_on_only_a_step_later(store, n_layers, groups):
+  """The pipeline's order, from the calls themselves (not timing): during step t, layer group g's fetch of
+  κ_{t+1} is issued right after group g and before group g+1 waits for anything; the first wait on it comes in
+  step t+1, after every group of step t has issued its own fetch. Groups are runs of consecutive layers that
+  cover every layer once (2 layers in 5 groups: one layer each)."""
+  model = tiny_model(seed=31, head_dim=16, n_layers=n_layers)
+  method = sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4, offload=True, host_store=store)
+  rt = OffloadRuntime(model.params, model.config, method, batch=2, max_len=128, dispatch_groups=groups)
+  assert [l for g in rt.groups for l in g] == list(range(n_layers))
+  assert len(rt.groups) == min(groups, n_layers) and max(map(len, rt.groups)) - min(map(len, rt.groups)) <= 1
   toks, lens = sj.pad_prompts(random_prompts(8, [40, 21], model.config.vocab_size))
-  log, n_layers = [], model.config.n_layers
+  log, n_groups = [], len(rt.groups)
   rt._init = (lambda init: lambda: (init(), setattr(rt, "store", _RecordingStore(rt.store, log))))(rt._init)
   out = rt.generate(toks, lens, 6, jax.random.key(0))
   assert out.tokens.shape == (2, 6)
   issued = {n: i for i, (kind, n, _) in enumerate(log) if kind == "fetch"}
   waited = {n: i for i, (kind, n, _) in enumerate(log) if kind == "wait"}
-  layer_of = {n: l for kind, n, l in log if kind == "fetch"}
+  group_of = {n: rt.groups.index(layers) for kind, n, layers in log if kind == "fetch"}
   assert waited and set(waited) <= set(issued)
   for n, w in waited.items():
-    step_of_n = n // n_layers                              # fetches come n_layers per pass (pre-decoding first)
-    last_of_step = (step_of_n + 1) * n_layers - 1
-    assert issued[last_of_step] < w, f"fetch {n} (layer {layer_of[n]}) waited on before its pass ended"
+    pass_of_n = n // n_groups                               # fetches come n_groups per pass (pre-decoding first)
+    last_of_pass = (pass_of_n + 1) * n_groups - 1
+    assert issued[last_of_pass] < w, f"fetch {n} (group {group_of[n]}) waited on before its pass ended"
     between = [m for kind, m, _ in log[issued[n]:w] if kind == "fetch"]
-    assert len(between) >= n_layers - layer_of[n], "layers after l did not issue their fetches first"
-  for n, i in issued.items():   # layer l's fetch is issued before layer l+1 takes its own rows of this step
-    nxt = n - n_layers + 1                                 # the fetch (previous pass) layer l+1 waits on now
-    if layer_of[n] < n_layers - 1 and nxt in waited:
-      assert i < waited[nxt], f"layer {layer_of[n] + 1} waited before layer {layer_of[n]}'s fetch was issued"
-  for n in range(len(issued) - 1):                         # issue order: layer by layer within a pass
-    assert layer_of[n + 1] == (layer_of[n] + 1) % n_layers
+    assert len(between) >= n_groups - group_of[n], "groups after g did not issue their fetches first"
+  for n, i in issued.items():   # group g's fetch is issued before group g+1 takes its own rows of this step
+    nxt = n - n_groups + 1                                 # the fetch (previous pass) group g+1 waits on now
+    if group_of[n] < n_groups - 1 and nxt in waited:
+      assert i < waited[nxt], f"group {group_of[n] + 1} waited before group {group_of[n]}'s fetch was issued"
+  for n in range(len(issued) - 1):                         # issue order: group by group within a pass
+    assert group_of[n + 1] == (group_of[n] + 1) % n_groups
+
+
+def test_numpy_store_fetches_a_group_of_layers_as_one_block():
+  store = offload.NumpyHostStore(3, 2, 3, 50, 8, jnp.float32)
+  rs = np.random.RandomState(3)
+  k, v = rs.randn(3, 2, 50, 3, 8).astype(np.float32), rs.randn(3, 2, 50, 3, 8).astype(np.float32)
+  for l in range(3):
+    store.write_prompt(l, jnp.asarray(k[l]), jnp.asarray(v[l]))
+  kappas = [jnp.asarray(rs.randint(0, 50, size=(2, 3, 5)), jnp.int32) for _ in range(2)]
+  rows = store.fetch((1, 2), kappas).result()
+  assert rows.shape == (2, 2, 2, 3, 5, 8)                   # [G, K/V, B, K, X, H]
+  for i, l in enumerate((1, 2)):
+    idx = np.asarray(kappas[i])[..., None]
+    np.testing.assert_array_equal(np.asarray(rows[i, 0]), np.take_along_axis(k[l].swapaxes(1, 2), idx, axis=2))
+    np.testing.assert_array_equal(np.asarray(rows[i, 1]), np.take_along_axis(v[l].swapaxes(1, 2), idx, axis=2))
+  with pytest.raises(ValueError, match="consecutive layers"):
+    store.fetch((0, 2), kappas)
+  store.close()
+
+
+@pytest.mark.parametrize("groups", [0, -1, 1.5, True])
+def test_dispatch_groups_must_be_a_positive_int(groups):
+  model = _model()
+  method = sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4, offload=True)
+  with pytest.raises(ValueError, match="dispatch_groups"):
+    OffloadRuntime(model.params, model.config, method, batch=1, max_len=64, dispatch_groups=groups)
 
 
 @pytest.mark.parametrize("batch, prompt_len", [(1, 40), (2, 700)])     # one tile; 3 query blocks, 2 row pieces

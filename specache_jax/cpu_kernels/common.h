@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -75,13 +76,29 @@ struct Work {
   }
 };
 
-// Runs item(0 .. n_items-1) on the calling thread and the pool's threads; returns when every item is done.
+// Whether the kernels may use XLA's intra-op pool: not when XLA_FLAGS asks XLA:CPU for single-threaded compute
+// (--xla_cpu_multi_thread_eigen=false), so a kernel keeps to the one thread XLA's own ops use (the offloaded
+// runtime's overlap measurement leaves the other core to the host store's worker). Read once, as XLA does.
+inline bool PoolAllowed() {
+  static const bool allowed = [] {
+    const char* flags = std::getenv("XLA_FLAGS");
+    if (flags == nullptr) return true;
+    const char* at = std::strstr(flags, "--xla_cpu_multi_thread_eigen=");
+    if (at == nullptr) return true;
+    at += std::strlen("--xla_cpu_multi_thread_eigen=");
+    return !(std::strncmp(at, "false", 5) == 0 || std::strncmp(at, "0", 1) == 0);
+  }();
+  return allowed;
+}
+
+// Runs item(0 .. n_items-1) on the calling thread and the pool's threads (only the calling thread when
+// !PoolAllowed()); returns when every item is done.
 inline void RunAll(ffi::ThreadPool& pool, std::function<void(int64_t)> item, int64_t n_items) {
   if (n_items <= 0) return;
   auto work = std::make_shared<Work>();
   work->item = std::move(item);
   work->n_items = n_items;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items - 1);
+  const int64_t helpers = std::min<int64_t>(PoolAllowed() ? pool.num_threads() : 0, n_items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
