@@ -85,6 +85,8 @@ class MemoryPlan:
   shared_memory: bool          # CPU backend: "device" and host are the same RAM
   store: str = "numpy"         # the host store's kind (resolve_store_kind): where host_bytes live
   pinned_limit: int | None = None   # the pinned pool's cap when the store is pinned_host (GPU), else None
+  prefill_rows: int = 0        # sequences prefilled at a time (the runtime's batch chunks); 0: not planned
+  activation_bytes: int = 0    # of device_bytes: the prefill activations of prefill_rows sequences
 
   def check(self) -> None:
     gib = lambda n: f"{n / 2**30:.2f} GiB"
@@ -95,7 +97,9 @@ class MemoryPlan:
                               f"{gib(self.host_bytes)}) but only {gib(self.host_available)} of RAM is available")
       return
     if self.device_available is not None and self.device_bytes > self.device_available:
-      raise MemoryPlanError(f"the run needs {gib(self.device_bytes)} of accelerator memory but only "
+      part = (f" (of which the prefill's activations for {self.prefill_rows} sequence(s) at a time: "
+              f"{gib(self.activation_bytes)})" if self.prefill_rows else "")
+      raise MemoryPlanError(f"the run needs {gib(self.device_bytes)} of accelerator memory{part} but only "
                             f"{gib(self.device_available)} is available")
     if self.host_bytes > self.host_available:
       raise MemoryPlanError(f"the 16-bit cache needs {gib(self.host_bytes)} of host memory but only "
@@ -129,25 +133,37 @@ def prefill_activation_bytes(model_cfg, batch: int, prompt_len: int, dtype,
 
 def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
                 device=None, host_available: int | None = None, device_available: int | None = None,
-                platform: str | None = None, pinned_limit: int | None = None) -> MemoryPlan:
+                platform: str | None = None, pinned_limit: int | None = None,
+                prefill_rows: int | None = None) -> MemoryPlan:
   """Sizes from shapes alone (jax.eval_shape; `params` may be ShapeDtypeStructs), computed before anything is
   allocated. platform / pinned_limit: default from `device` and the environment (override to plan for a
-  machine other than this one)."""
+  machine other than this one). prefill_rows: sequences the runtime prefills at a time; None picks the most
+  (up to `batch`) whose activations fit the accelerator next to the weights and the cache (all of them when
+  its free memory is unknown or shared with the host), at least 1 — `check` then refuses a run that does not
+  fit even one at a time."""
   device = device or jax.devices()[0]
   platform = platform or device.platform
   nbytes = tree_nbytes
   st = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
-  cache_dev = nbytes(st)
+  resident = nbytes(params) + nbytes(st)
   host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
       jnp.dtype(dtype).itemsize
-  act = prefill_activation_bytes(model_cfg, batch, prompt_len, dtype)
-  store = resolve_store_kind(method.host_store)
+  device_available = device_available if device_available is not None else _device_available_bytes(device)
+  shared = platform == "cpu"
+  act = lambda rows: int(prefill_activation_bytes(model_cfg, rows, prompt_len, dtype))
+  if prefill_rows is None:
+    prefill_rows = batch
+    if device_available is not None and not shared:
+      while prefill_rows > 1 and resident + act(prefill_rows) > device_available:
+        prefill_rows -= 1
+  elif isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or not 1 <= prefill_rows <= batch:
+    raise ValueError(f"prefill_rows={prefill_rows!r} must be an int in [1, batch={batch}]")
   return MemoryPlan(
-      device_bytes=nbytes(params) + cache_dev + int(act), host_bytes=int(host),
-      device_available=device_available if device_available is not None else _device_available_bytes(device),
+      device_bytes=resident + act(prefill_rows), host_bytes=int(host), device_available=device_available,
       host_available=host_available if host_available is not None else _host_available_bytes(),
-      shared_memory=platform == "cpu", store=store,
-      pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform))
+      shared_memory=shared, store=resolve_store_kind(method.host_store),
+      pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform),
+      prefill_rows=prefill_rows, activation_bytes=act(prefill_rows))
 
 
 def resolve_store_kind(kind: str) -> str:
@@ -175,15 +191,10 @@ def _on_host(fn, *args):
     return fn(*args)
 
 
-def _write_rows_each(buf_BKSH, rows_BKTH, start_B):
-  for b in range(buf_BKSH.shape[0]):      # per row (a vmapped start would put its index math on the device)
-    buf_BKSH = jax.lax.dynamic_update_slice(buf_BKSH, rows_BKTH[b:b + 1], (b, 0, start_B[b], 0))
-  return buf_BKSH
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _host_write(buf_BKSH, rows_BKTH, start_B):
-  return _on_host(_write_rows_each, buf_BKSH, rows_BKTH, start_B)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("row0",))
+def _host_write_at(buf_BKSH, rows_nKTH, *, row0):
+  """Sequences row0.. of buf get rows_nKTH at positions 0.. (a prompt: one block, host computation)."""
+  return _on_host(lambda b, r: jax.lax.dynamic_update_slice(b, r, (row0, 0, 0, 0)), buf_BKSH, rows_nKTH)
 
 
 def _write_rows_where(buf_BKSH, rows_BKTH, start_B, write_B):
@@ -224,10 +235,10 @@ class PinnedHostStore:
   def _put_host(self, x):
     return jax.device_put(x, self.host)
 
-  def write_prompt(self, layer, k_BTKH, v_BTKH):
-    start = self._put_host(jnp.zeros((k_BTKH.shape[0],), jnp.int32))
-    self.k[layer] = _host_write(self.k[layer], self._put_host(_to_BKTH(k_BTKH)), start)
-    self.v[layer] = _host_write(self.v[layer], self._put_host(_to_BKTH(v_BTKH)), start)
+  def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
+    """The prompt's k/v [n, T, K, H] of sequences row0..row0+n-1, at positions 0..T-1."""
+    self.k[layer] = _host_write_at(self.k[layer], self._put_host(_to_BKTH(k_BTKH)), row0=row0)
+    self.v[layer] = _host_write_at(self.v[layer], self._put_host(_to_BKTH(v_BTKH)), row0=row0)
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
     """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
@@ -285,11 +296,12 @@ class NumpyHostStore:
     self.v = [kv[1] for kv in self._kv]
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-host")
 
-  def write_prompt(self, layer, k_BTKH, v_BTKH):
+  def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
+    """The prompt's k/v [n, T, K, H] of sequences row0..row0+n-1, at positions 0..T-1."""
     def job():
       k, v = np.asarray(k_BTKH).swapaxes(1, 2), np.asarray(v_BTKH).swapaxes(1, 2)
-      self.k[layer][:, :, :k.shape[2]] = k
-      self.v[layer][:, :, :v.shape[2]] = v
+      self.k[layer][row0:row0 + k.shape[0], :, :k.shape[2]] = k
+      self.v[layer][row0:row0 + v.shape[0], :, :v.shape[2]] = v
     self._pool.submit(job)
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):

@@ -9,7 +9,7 @@ not free. Step t, group g (all calls return at once under JAX's asynchronous dis
      layer by layer (the fetch on the critical path);
   2. run the group's layers (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends
      with the fetched rows, stores the real row on the device side and records κ_{t+1}); their states are
-     donated (updated in place);
+     donated (updated in place) — only after `pending[g]` is waited on, so the worker has read their κ;
   3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
      at once (the host only ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows);
   4. issue the gather of the group's κ_{t+1} rows on the host and their `jax.device_put` (one block per group)
@@ -41,9 +41,17 @@ def _keep(st, layout):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "layout"), donate_argnames=("st",))
-def _prefill_layer(lp, x, lengths, rope, st, *, cfg, method, layout=None):
+def _prefill_layer(lp, x, lengths, rope, st, row0=None, *, cfg, method, layout=None):
+  """One layer's prefill of every sequence, or (row0: an int32 scalar) of the x.shape[0] sequences from row0
+  on, written into those rows of the whole batch's state."""
   q, k, v = dec.attention_inputs(cfg, lp, x, rope)
-  attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
+  if row0 is None:
+    attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
+    return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
+  n = x.shape[0]
+  part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row0, n, 0), st)   # every leaf is [B, ...]
+  attn, part, _ = dec.cache_attention(cfg, method, part, q, k, v, lengths, "prefill")
+  st = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, row0, 0), st, part)
   return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
@@ -79,8 +87,10 @@ def _kappa_for_step(lp, x, lengths, rope, st, *, cfg, method):
   return sc.kappa_for_step(method, st, q, k, v, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("method",), donate_argnums=0)
+@functools.partial(jax.jit, static_argnames=("method",))
 def _observe(states, missed_B, *, method):
+  """Not donating: the host store's worker may still read the states' κ of pending fetches (jit forwards the
+  unchanged leaves without a copy)."""
   return observe_speculation(method, states, missed_B)
 
 
@@ -129,11 +139,14 @@ class OffloadRuntime:
   check_numerics: after every phase, check each layer's device state and the hidden state and raise
     guards.NonFiniteError at the first bad step (it waits for each step: for debugging, not timing).
   dispatch_groups: jitted calls per decoding step (`layer_groups`); each group's κ_{t+1} rows come back as
-    one host gather and one transfer. 1 would fetch every layer only after the whole step: keep it >= 2."""
+    one host gather and one transfer. 1 would fetch every layer only after the whole step: keep it >= 2.
+  prefill_rows: sequences prefilled at a time (each chunk runs all layers; its activations are what the memory
+    plan counts); None: the most that fit the accelerator next to the weights and the cache
+    (`offload.plan_memory`). Not on a mesh (the batch is sharded there): every sequence at once."""
 
   def __init__(self, params, cfg, method, batch: int, max_len: int, prompt_len: int | None = None,
                device=None, check_memory: bool = True, mesh: Mesh | None = None, check_numerics: bool = False,
-               dispatch_groups: int = DISPATCH_GROUPS):
+               dispatch_groups: int = DISPATCH_GROUPS, prefill_rows: int | None = None):
     if not method.offload:
       raise ValueError(f"the offload runtime needs a SpeCache config with offload=True; got {method!r}")
     self.cfg, self.method, self.batch, self.max_len = cfg, method, batch, max_len
@@ -144,8 +157,11 @@ class OffloadRuntime:
       device = mesh.devices.flat[0]
     self.device = device or jax.devices()[0]
     self.dtype = params["embed"].dtype
+    if mesh is not None and prefill_rows not in (None, batch):
+      raise ValueError(f"prefill_rows={prefill_rows!r}: on a mesh the runtime prefills the whole (sharded) "
+                       f"batch of {batch} at once")
     self.plan = offload.plan_memory(cfg, method, params, batch, max_len, self.dtype, prompt_len or max_len,
-                                    device=self.device)
+                                    device=self.device, prefill_rows=batch if mesh is not None else prefill_rows)
     if check_memory:
       self.plan.check()
     self.params = params
@@ -184,11 +200,17 @@ class OffloadRuntime:
     self._step_index = 0
     self._stored = np.asarray(lengths_B).astype(np.int64)
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
-    x, rope = _embed(self.params, tokens_BT, lengths_B, cfg=self.cfg, phase="prefill")
-    for l, lp in enumerate(self.layer_params):
-      x, self.states[l], k, v = _prefill_layer(lp, x, lengths_B, rope, self.states[l], **kw)
-      self.store.write_prompt(l, k, v)
-    logits = _head(self.params, x, lengths_B - 1, cfg=self.cfg)
+    rows, logits = self.plan.prefill_rows or self.batch, []
+    for r0 in range(0, self.batch, rows):                     # sequences in chunks: bounded activations
+      r1 = min(self.batch, r0 + rows)
+      toks, lens = tokens_BT[r0:r1], lengths_B[r0:r1]
+      x, rope = _embed(self.params, toks, lens, cfg=self.cfg, phase="prefill")
+      for l, lp in enumerate(self.layer_params):
+        x, self.states[l], k, v = _prefill_layer(lp, x, lens, rope, self.states[l],
+                                                 None if rows == self.batch else np.int32(r0), **kw)
+        self.store.write_prompt(l, k, v, row0=r0)
+      logits.append(_head(self.params, x, lens - 1, cfg=self.cfg))
+    logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
     self._guard(0, "prefill", logits)
     return logits
 

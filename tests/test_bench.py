@@ -165,6 +165,9 @@ def test_overlap_measurement_returns_numbers_in_range(model):
   for key in ("compute_alone_s", "fetch_alone_s", "pipelined_s"):
     assert out[key] > 0 and len(out["rounds_s"][key[:-2]]) == 2
   assert 0.0 <= out["fraction_hidden"] <= 1.0 and np.isfinite(out["fraction_hidden_raw"])
+  r = out["rounds_s"]          # the fraction comes from each round's own a, b, c (median over rounds)
+  per_round = [(a + b - c) / b for a, b, c in zip(r["compute_alone"], r["fetch_alone"], r["pipelined"])]
+  assert out["fraction_hidden_raw"] == pytest.approx(float(np.median(per_round)))
   assert 0.0 < out["fetch_issue_s"] and len(out["rounds_s"]["fetch_issue"]) == 2
   # the dispatching thread's CPU per step: positive, at most the pipelined step's wall time (it is part of it)
   assert 0.0 < out["dispatch_cpu_s"] and len(out["rounds_s"]["dispatch_cpu"]) == 2

@@ -179,6 +179,53 @@ def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
   on_h200.check()
 
 
+def test_memory_plan_prefills_in_sequence_chunks_that_fit_and_refuses_when_one_does_not():
+  """Llama-3-8B (bf16) at 32k x batch 25 on a 48 GB accelerator (the paper's A6000 setting): the whole batch's
+  prefill activations (~55 GiB) do not fit next to the weights, so the plan prefills fewer sequences at a time —
+  the most that fit; on 20 GB even one sequence's do not: refused up front, with the numbers."""
+  from specache_jax.bench.models import SHAPES
+  from specache_jax.model.config import ModelConfig
+  from specache_jax.model.init import init_params
+  cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
+  method = sj.cache_config("specache", bits=1, group_size=64, residual=64, topk=64, offload=True)
+  kw = dict(platform="gpu", host_available=128 * 2**30, pinned_limit=64 * 2**30)
+  plan = offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, device_available=48 * 10**9, **kw)
+  assert 1 <= plan.prefill_rows < 25
+  plan.check()
+  one_more = offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, device_available=48 * 10**9,
+                                 prefill_rows=plan.prefill_rows + 1, **kw)
+  assert one_more.device_bytes > 48 * 10**9 > plan.device_bytes                  # the most that fit
+  assert plan.activation_bytes == offload.prefill_activation_bytes(cfg, plan.prefill_rows, 32768, jnp.bfloat16)
+  tight = offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, device_available=20 * 10**9,
+                              **kw)
+  assert tight.prefill_rows == 1
+  with pytest.raises(offload.MemoryPlanError, match=r"needs .* GiB of accelerator memory \(of which the "
+                                                    r"prefill's activations for 1 sequence\(s\) at a time: .* GiB\)"):
+    tight.check()
+  for bad in (0, 26, 2.0, True):
+    with pytest.raises(ValueError, match="prefill_rows"):
+      offload.plan_memory(cfg, method, params, 25, 32768, jnp.bfloat16, 32768, prefill_rows=bad, **kw)
+
+
+@pytest.mark.parametrize("store,prefill_rows", [("numpy", 1), ("pinned_host", 2)])
+def test_prefill_in_sequence_chunks_gives_the_same_tokens_and_host_cache(store, prefill_rows):
+  model = _model()
+  prompts = random_prompts(17, [12, 37, 25], model.config.vocab_size)
+  toks, lens = sj.pad_prompts(prompts)
+  method = sj.cache_config("specache", bits=1, group_size=8, residual=8, topk=4, offload=True, host_store=store)
+  out, host = {}, {}
+  for rows in (None, prefill_rows):
+    rt = OffloadRuntime(model.params, model.config, method, batch=3, max_len=96, prefill_rows=rows)
+    assert rt.plan.prefill_rows == (rows or 3)
+    out[rows] = rt.generate(toks, lens, 12, jax.random.key(0)).tokens
+    host[rows] = [np.asarray(a) for a in rt.store.arrays()]
+  np.testing.assert_array_equal(out[prefill_rows], out[None])
+  for a, b in zip(host[prefill_rows], host[None]):     # float32 rounding of a different batch shape only
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert np.any(host[None][0])
+
+
 def test_pinned_pool_cap_comes_from_the_environment(monkeypatch):
   assert offload.pinned_limit_bytes("cpu") is None
   monkeypatch.delenv(offload.PINNED_LIMIT_ENV, raising=False)

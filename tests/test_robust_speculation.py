@@ -158,3 +158,25 @@ def test_hedge_shift_past_the_cache_is_refused_for_its_length():
   method.validate(_model().config, 65)                                      # 72 slots (R = 8): fine
   with pytest.raises(ValueError, match="hedge_shift=64 must be below the cache's 64 slots"):
     method.validate(_model().config, 64)
+
+
+def test_presets_name_settings_that_explicit_ones_override():
+  robust = sj.cache_config("specache", bits=1, preset="robust")
+  assert (robust.skip_ring, robust.hedge, robust.hedge_shift, robust.drift) == (True, 16, 1, 0.1)
+  assert robust.bits == 1 and robust.topk == 64
+  assert sj.cache_config("specache", bits=1, topk=32, preset="robust").hedge == 8     # a quarter of k
+  assert sj.cache_config("specache", preset="robust", drift=0.2, hedge=0, hedge_shift=0).drift == 0.2
+  assert sj.cache_config("specache", bits=1, preset="faithful") == sj.cache_config("specache", bits=1)
+  with pytest.raises(sj.ConfigError, match=r"preset='fast' is not a SpeCache preset.*faithful.*robust"):
+    sj.cache_config("specache", preset="fast")
+  with pytest.raises(sj.ConfigError, match="'full' has no presets"):
+    sj.cache_config("full", preset="robust")
+
+
+def test_robust_preset_with_topk_covering_the_context_equals_the_full_cache():
+  model = _model()
+  prompts = random_prompts(6, [20, 31], model.config.vocab_size)
+  full = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=())
+  got = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=(),
+                    cache=sj.cache_config("specache", topk=64, preset="robust", **BASE))
+  np.testing.assert_array_equal(got.tokens, full.tokens)

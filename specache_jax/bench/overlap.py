@@ -6,7 +6,8 @@ On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` de
       run;
   (b) fetch alone: every layer group's host gather + `device_put` of κ, issued together and blocked on;
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer group).
-fraction hidden = (a + b - c) / b, clipped to [0, 1] (the raw value is kept too). Also measured: the time the
+fraction hidden = (a + b - c) / b per round, the median over rounds, clipped to [0, 1] (the raw value is kept
+too). Also measured: the time the
 dispatching thread spends just issuing (b) — that part sits on the step's critical path whatever the
 transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`: dispatching the
 per-layer programs and issuing the fetches, not its waits), reported per layer. Each host store configured is
@@ -119,7 +120,9 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
     b.append(timing.time_calls(lambda: fetch_all_layers(rt), 0, steps)["mean_s"])
     d.append(issue_seconds(rt, steps))
   ma, mb, mc = statistics.median(a), statistics.median(b), statistics.median(c)
-  raw = (ma + mb - mc) / mb if mb > 0 else float("nan")
+  # per round, from that round's own (a), (b), (c) (measured back to back: a shared machine's slow drift cancels),
+  # then the median over rounds
+  raw = statistics.median([(ai + bi - ci) / bi if bi > 0 else float("nan") for ai, bi, ci in zip(a, b, c)])
   n_layers = model.config.n_layers
   return {"context": context, "batch": batch, "store": real.kind, "steps": steps, "rounds": rounds,
           "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc, "fetch_issue_s": statistics.median(d),

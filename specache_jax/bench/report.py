@@ -111,12 +111,14 @@ def throughput_markdown(result: dict) -> str:
       any_ = next(iter(stores.values()))
       lines += [f"S={any_['context']}, B={any_['batch']}, XLA_FLAGS=`{ov['xla_flags']}`, {any_['rounds']} rounds "
                 f"of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
-                "(a) compute alone: the offloaded step with every fetch answered by rows already on the device; "
-                "(b) fetch alone: all layers' host gathers + `device_put`, blocked; (c) the pipelined step; "
-                "issue: the part of (b) the dispatching thread spends issuing the fetches; the dispatching "
-                "thread's CPU: `time.thread_time` inside (c)'s step (per-layer program dispatch and fetch "
-                "issue, not its waits). "
-                "Fraction hidden = (a + b − c) / b, clipped to [0, 1].", ""]
+                "(a) compute alone: the offloaded step with every fetch answered \"keep the rows each layer "
+                "holds\" (no host gather, transfer or install); (b) fetch alone: every layer group's host gather "
+                "+ `device_put`, blocked; (c) the pipelined step; issue: the part of (b) the dispatching thread "
+                "spends issuing the fetches; the dispatching thread's CPU: `time.thread_time` inside (c)'s step "
+                "(per-group program dispatch and fetch issue, not its waits). Under these XLA flags the CPU "
+                "kernels run on one thread too, so the host store's worker has the other core. "
+                "Fraction hidden = (a + b − c) / b from each round's own a, b, c (measured back to back), "
+                "the median over rounds, clipped to [0, 1].", ""]
       rows = [[name] + [_ms(st[key + "_s"]) for st in stores.values()]
               for name, key in (("(a) compute alone", "compute_alone"), ("(b) fetch alone", "fetch_alone"),
                                 ("issue part of (b)", "fetch_issue"), ("(c) pipelined", "pipelined"))]

@@ -27,9 +27,12 @@ def config_class(name: str):
   return getattr(importlib.import_module(module), cls)
 
 
-def cache_config(name: str = "full", **settings) -> CacheConfig:
-  """E.g. cache_config("specache", bits=1, group_size=64, residual=64, topk=64)."""
+def cache_config(name: str = "full", preset: str | None = None, **settings) -> CacheConfig:
+  """E.g. cache_config("specache", bits=1, group_size=64, residual=64, topk=64), or a named preset of the
+  method's settings under any given explicitly: cache_config("specache", bits=1, preset="robust")."""
   cls = config_class(name)
+  if preset is not None:
+    settings = cls.preset_settings(preset, settings)
   allowed = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(set(settings) - set(allowed))
   if unknown:

@@ -49,6 +49,12 @@ class CacheConfig:
   def impl(self) -> MethodModule:
     raise NotImplementedError
 
+  @classmethod
+  def preset_settings(cls, preset: str, settings: dict) -> dict:
+    """Hook: the settings of a named preset, with the explicitly given `settings` on top (they win)."""
+    del settings
+    raise ConfigError(f"cache method {cls.name!r} has no presets (got preset={preset!r})")
+
   def validate(self, model_cfg: ModelConfig, max_len: int) -> None:
     """Raise ConfigError naming the value and the rule; called before anything is compiled."""
 

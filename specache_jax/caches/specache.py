@@ -40,6 +40,19 @@ from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
 
+# Named settings (`cache_config("specache", preset=...)`), each a function of the k rows fetched:
+#   faithful  the paper's method: every robust-speculation option off (the defaults);
+#   robust    the best combination measured on RULER (README, results/ruler_robust: SmolLM2-135M, 4k, 1-bit
+#             21.7 vs faithful 7.3, full cache 36.2): skip_ring, a quarter of κ_{t+1} from the real row's top
+#             rows one position on (hedge, hedge_shift=1), drift 0.1. Its cost: on SmolLM2 ~43% of (layer, KV
+#             head) fetch sets go on the critical path (results/speculation/hitrate); the offloaded runtime then
+#             waits on every layer's fetch.
+PRESETS = {
+    "faithful": lambda topk: {},
+    "robust": lambda topk: dict(skip_ring=True, hedge=max(topk // 4, 1) if topk else 0,
+                                hedge_shift=1 if topk else 0, drift=0.1),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class SpeCacheConfig(CacheConfig):
@@ -101,6 +114,13 @@ class SpeCacheConfig(CacheConfig):
   @property
   def impl(self):
     return sys.modules[__name__]
+
+  @classmethod
+  def preset_settings(cls, preset: str, settings: dict) -> dict:
+    """`cache_config("specache", preset=...)`: PRESETS[preset] under the given settings (which win)."""
+    if preset not in PRESETS:
+      raise ConfigError(f"preset={preset!r} is not a SpeCache preset; expected one of {tuple(PRESETS)}")
+    return {**PRESETS[preset](settings.get("topk", cls.topk)), **settings}
 
   @property
   def decode_width(self) -> int:

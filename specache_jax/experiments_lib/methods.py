@@ -114,5 +114,5 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
-      "specache_1bit_robust": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
+      "specache_1bit_robust": dict(base, preset="robust"),                       # skip_ring + hedge 16 shifted + drift 0.1
   }
