@@ -45,13 +45,11 @@ def _prefill_layer(lp, x, lengths, rope, st, row0=None, *, cfg, method, layout=N
   """One layer's prefill of every sequence, or (row0: an int32 scalar) of the x.shape[0] sequences from row0
   on, written into those rows of the whole batch's state."""
   q, k, v = dec.attention_inputs(cfg, lp, x, rope)
-  if row0 is None:
-    attn, st, _ = dec.cache_attention(cfg, method, st, q, k, v, lengths, "prefill")
-    return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
-  n = x.shape[0]
-  part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row0, n, 0), st)   # every leaf is [B, ...]
+  part = st if row0 is None else jax.tree.map(                       # every leaf is [B, ...]
+      lambda a: jax.lax.dynamic_slice_in_dim(a, row0, x.shape[0], 0), st)
   attn, part, _ = dec.cache_attention(cfg, method, part, q, k, v, lengths, "prefill")
-  st = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, row0, 0), st, part)
+  st = part if row0 is None else jax.tree.map(
+      lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, row0, 0), st, part)
   return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
@@ -95,12 +93,7 @@ def _observe(states, missed_B, *, method):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _with_fetched(st, rows):
-  return sc.with_fetched(st, st.kappa, *rows)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _with_kappa_rows(st, kappa, rows):
+def _with_fetched(st, kappa, rows):
   return sc.with_fetched(st, kappa, *rows)
 
 
@@ -243,9 +236,9 @@ class OffloadRuntime:
     for i, l in enumerate(self.groups[g]):
       st = self.states[l]
       if rows is not None:
-        st = _with_fetched(st, rows[i])                                   # the prefetched rows, for unchanged heads
+        st = _with_fetched(st, st.kappa, rows[i])                        # the prefetched rows
       kappa = _kappa_for_step(self.layer_params[l], x[:, :1], lengths_B, rope_1, st, **kw)
-      st = _with_kappa_rows(st, kappa, self.store.fetch((l,), (kappa,)).result()[0])
+      st = _with_fetched(st, kappa, self.store.fetch((l,), (kappa,)).result()[0])
       x, (self.states[l],) = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, phase="decode",
                                      layout=self.layout, **kw)
     return x
