@@ -401,25 +401,31 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   }
 }
 
-// Phase 2 for one (b, k): merge the chunks and the extra columns.
+// Phase 2 for one (b, k): merge the chunks and the extra columns (16 channels at a time: each extra column's
+// score is one vector dot, their exps 16 columns at a time, each value row added as hd/16 vectors).
 void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, const float* ev, const uint8_t* emask,
                const float* c_max, const float* c_sum, const float* c_out, const float* last_p, float* out,
                float* p_low, float* p_extra) {
-  const int64_t m = d.m, hd = d.hd, e = d.e, nc = d.n_chunks, n_rep = d.m / d.t;
+  const int64_t m = d.m, hd = d.hd, e = d.e, nc = d.n_chunks, n_rep = d.m / d.t, nv = hd / 16;
+  const int64_t e16 = (e + 15) / 16 * 16;
   const float* qb = q + bk * m * hd;
-  std::vector<float> le(e), fac(nc * n_rep, 0.f), pe(e, 0.f);
+  std::vector<float> le(e16), fac(nc * n_rep, 0.f), pe(e, 0.f);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t t = r % d.t;
+    const uint8_t* mrow = emask + (bk * d.t + t) * e;
+    V qv[kMaxHeadDim / 16];
+    for (int64_t i = 0; i < nv; ++i) qv[i] = Load(qb + r * hd + 16 * i);
     float row_max = kNegInf;
     for (int64_t j = 0; j < e; ++j) {
       le[j] = kNegInf;
-      if (!emask[(bk * d.t + t) * e + j]) continue;
+      if (!mrow[j]) continue;
       const float* kr = ek + (bk * e + j) * hd;
-      float acc = 0.f;
-      for (int64_t h = 0; h < hd; ++h) acc += qb[r * hd + h] * kr[h];
-      le[j] = acc;
-      row_max = std::max(row_max, acc);
+      V acc = qv[0] * Load(kr);
+      for (int64_t i = 1; i < nv; ++i) acc += qv[i] * Load(kr + 16 * i);
+      le[j] = Sum(acc);
+      row_max = std::max(row_max, le[j]);
     }
+    std::fill(le.begin() + e, le.end(), kNegInf);
     for (int64_t c = 0; c < nc; ++c) row_max = std::max(row_max, c_max[(bk * nc + c) * m + r]);
     float* orow = out + (bk * m + r) * hd;
     if (row_max == kNegInf || std::isnan(row_max)) {
@@ -427,33 +433,37 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
       continue;
     }
     float z = 0.f;
-    float acc[kMaxHeadDim] = {0.f};
+    V acc[kMaxHeadDim / 16];
+    for (int64_t i = 0; i < nv; ++i) acc[i] = V{};
     for (int64_t c = 0; c < nc; ++c) {
       const float cm = c_max[(bk * nc + c) * m + r];
       if (cm == kNegInf) continue;
       const float f = std::exp(cm - row_max);
       z += f * c_sum[(bk * nc + c) * m + r];
       const float* co = c_out + ((bk * nc + c) * m + r) * hd;
-      for (int64_t h = 0; h < hd; ++h) acc[h] += f * co[h];
+      for (int64_t i = 0; i < nv; ++i) acc[i] += f * Load(co + 16 * i);
     }
+    V zv = V{};                                          // masked columns: exp(-inf) = 0
+    for (int64_t j = 0; j < e16; j += 16) {
+      const V p = Exp(Load(le.data() + j) - row_max);
+      Store(le.data() + j, p);
+      zv += p;
+    }
+    z += Sum(zv);
     for (int64_t j = 0; j < e; ++j) {
-      if (le[j] == kNegInf) continue;
-      const float f = std::exp(le[j] - row_max);
-      le[j] = f;
-      z += f;
+      if (!mrow[j]) continue;                            // never read a masked row (it may hold anything)
       const float* vr = ev + (bk * e + j) * hd;
-      for (int64_t h = 0; h < hd; ++h) acc[h] += f * vr[h];
+      for (int64_t i = 0; i < nv; ++i) acc[i] += le[j] * Load(vr + 16 * i);
     }
     const float inv = 1.f / z;
-    for (int64_t h = 0; h < hd; ++h) orow[h] = acc[h] * inv;
+    for (int64_t i = 0; i < nv; ++i) Store(orow + 16 * i, acc[i] * inv);
     if (t == d.t - 1) {                                  // the last row of head g = r / T
       const int64_t gi = r / d.t;
       for (int64_t c = 0; c < nc; ++c) {
         const float cm = c_max[(bk * nc + c) * m + r];
         fac[c * n_rep + gi] = cm == kNegInf ? 0.f : std::exp(cm - row_max) * inv / n_rep;
       }
-      for (int64_t j = 0; j < e; ++j)
-        if (le[j] != kNegInf) pe[j] += le[j] * inv / n_rep;
+      for (int64_t j = 0; j < e; ++j) pe[j] += le[j] * inv / n_rep;
     }
   }
   for (int64_t j = 0; j < e; ++j) p_extra[bk * e + j] = pe[j];
