@@ -1,5 +1,6 @@
-"""The XLA:CPU mixed-precision attention kernel against the float32 jnp reference of its contract
-(`pallas_kernels.mixed_decode_attention_reference`), and SpeCache's decoding steps through it."""
+"""The XLA:CPU attention kernels against their float32 jnp references: the mixed-precision one
+(`pallas_kernels.mixed_decode_attention_reference`, SpeCache's and KIVI's decoding steps through it) and the full
+cache's dense decode attention (`cpu_kernels.dense_attention`)."""
 import functools
 import os
 
@@ -12,6 +13,7 @@ import specache_jax as sj
 from pallas_kernels import testing
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
 from specache_jax import cpu_kernels as ck
+from specache_jax.cpu_kernels import dense_attention as ckd
 from specache_jax.cpu_kernels import mixed_attention as cka
 from specache_jax.model import decoder
 from tests.tiny import random_prompts, tiny_model
@@ -158,3 +160,71 @@ def test_kernel_on_a_mesh_keeps_the_batch_sharded():
   assert got[0].sharding.spec[0] == "data" and got[1].sharding.spec[0] == "data"
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * float(np.abs(w).max()))
+
+
+# ----- the full cache's dense decode attention (cpu_kernels/dense_attention.py) -----
+
+@needs_kernel
+@pytest.mark.parametrize("b,t,n,kh,s,h,limits", [
+    (1, 1, 9, 3, 1300, 64, [1300]),                 # every slot, across the 512-slot chunks
+    (3, 2, 9, 3, 1100, 64, [0, 513, 1099]),         # ragged; row 1 of sequence 0 sees slot 0 only
+    (2, 4, 8, 2, 40, 32, [37, 5]),
+    (2, 1, 4, 4, 700, 128, [600, 1]),
+    (2, 3, 6, 3, 17, 16, [15, 3]),
+])
+def test_dense_kernel_matches_reference(b, t, n, kh, s, h, limits):
+  """Fresh random caches poisoned (NaN) past the last slot any row may see: never read."""
+  rng = np.random.default_rng(s + 7 * t + h)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h), np.float32))
+  k, v = (rng.standard_normal((b, kh, s, h)).astype(np.float32) for _ in range(2))
+  for i, lim in enumerate(limits):
+    k[i, :, lim + t - 1:] = np.nan
+    v[i, :, lim + t - 1:] = np.nan
+  limit = jnp.asarray(limits, jnp.int32)
+  got = jax.jit(lambda *a: ckd.decode_attention(*a, 0.3))(q, jnp.asarray(k), jnp.asarray(v), limit)
+  want = ckd.decode_attention_reference(q, jnp.asarray(np.nan_to_num(k)), jnp.asarray(np.nan_to_num(v)), limit, 0.3)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(np.abs(want).max()))
+
+
+@needs_kernel
+def test_dense_kernel_rows_that_see_nothing_give_zeros_and_bad_inputs_are_named():
+  q, kv = jnp.ones((2, 1, 4, 32)), jnp.ones((2, 2, 8, 32))
+  out = ckd.decode_attention(q, kv, kv, jnp.asarray([0, 3], jnp.int32), 1.0)
+  assert not np.asarray(out)[0].any() and np.allclose(np.asarray(out)[1], 1.0)
+  with pytest.raises(ValueError, match=r"limit must be \[B=2\]"):
+    ckd.decode_attention(q, kv, kv, jnp.asarray([3], jnp.int32), 1.0)
+  with pytest.raises(ValueError, match="query heads must be a multiple of K=3"):
+    ckd.decode_attention(q, jnp.ones((2, 3, 8, 32)), jnp.ones((2, 3, 8, 32)), jnp.asarray([1, 1]), 1.0)
+  with pytest.raises(ValueError, match="cache bfloat16, head_dim=32, 2 query rows per KV head"):
+    ckd.decode_attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), jnp.asarray([1, 1]), 1.0)
+  assert not ckd.supports(jnp.float32, 24, 3) and not ckd.supports(jnp.float32, 64, 65) and ckd.supports(
+      jnp.float32, 64, 64)
+
+
+@needs_kernel
+def test_full_cache_decode_step_takes_the_dense_kernel_and_equals_xla():
+  """A full-cache decoding step (two sequences, ragged): the kernel and XLA's ops give the same logits and cache;
+  lowered for a GPU the kernel is not emitted."""
+  model = tiny_model(seed=8, head_dim=32)
+  cfg, method = model.config, sj.cache_config("full")
+  prompts = random_prompts(2, [70, 45], cfg.vocab_size)
+  tokens = jnp.asarray([p + [0] * (70 - len(p)) for p in prompts], jnp.int32)
+  cache = sj.decode.init_cache(method, cfg, 2, method.slots(96), jnp.float32)
+  _, cache, _ = decoder.forward_jit(model.params, cfg, tokens, cache, method, "prefill",
+                                    jnp.asarray([70, 45], jnp.int32))
+  step = jnp.asarray([[3], [4]], jnp.int32)
+
+  def run(x, c):
+    return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]
+
+  with_kernel = jax.jit(run)
+  assert ck.DENSE_TARGET in with_kernel.trace(step, cache).lower().as_text()
+  assert ck.DENSE_TARGET not in jax.jit(run).trace(step, cache).lower(lowering_platforms=("cuda",)).as_text()
+  without = jax.jit(lambda x, c: run(x, c))
+  with _kernel_off():
+    assert ck.DENSE_TARGET not in without.trace(step, cache).lower().as_text()
+    want = without(step, cache)
+  got = with_kernel(step, cache)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,9 @@ gather (`select.cc`).
 
 `prefill_attention.causal_attention`: the prompt's causal attention (`prefill_attention.cc`), register-tiled.
 
+`dense_attention.decode_attention`: the full cache's decoding attention over a dense float32 cache
+(`dense_attention.cc`), chunks of slots with an online softmax, reading only the attended slots.
+
 The C++ sources are compiled on first use, into one library, with the machine's C++ compiler (`-O3
 -march=native`) against the XLA FFI headers of the installed jaxlib, into a cache folder
 (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
@@ -46,13 +49,14 @@ MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
 DENSE_ROWS = {"dn": (2, 8), "nd": (1, 8)}
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc",
-                                                          "prefill_attention.cc"))
+                                                          "prefill_attention.cc", "dense_attention.cc"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
 TOP_K_TARGET = "specache_top_k"
 TAKE_ROWS_TARGET = "specache_take_rows"
 PREFILL_TARGET = "specache_prefill_attention"
+DENSE_TARGET = "specache_dense_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
 
@@ -102,6 +106,7 @@ def _load() -> tuple[bool, str]:
     jax.ffi.register_ffi_target(TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectTopK), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(handle.SelectTakeRows), platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(handle.PrefillAttention), platform="cpu")
+    jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(handle.DenseDecodeAttention), platform="cpu")
   except (RuntimeError, OSError) as e:
     return False, f"unavailable: {e}"
   return True, f"on ({lib})"
