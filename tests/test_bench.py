@@ -168,6 +168,10 @@ def test_overlap_measurement_returns_numbers_in_range(model):
   r = out["rounds_s"]          # the fraction comes from each round's own a, b, c (median over rounds)
   per_round = [(a + b - c) / b for a, b, c in zip(r["compute_alone"], r["fetch_alone"], r["pipelined"])]
   assert out["fraction_hidden_raw"] == pytest.approx(float(np.median(per_round)))
+  lo, hi = out["fraction_hidden_ci90"]                     # a bootstrap interval of that median
+  assert min(per_round) <= lo <= out["fraction_hidden_raw"] <= hi <= max(per_round)
+  diffs = [c - a for a, c in zip(r["compute_alone"], r["pipelined"])]
+  assert out["pipelined_minus_compute_s"] == pytest.approx(float(np.median(diffs)))
   assert 0.0 < out["fetch_issue_s"] and len(out["rounds_s"]["fetch_issue"]) == 2
   # the dispatching thread's CPU per step: positive, at most the pipelined step's wall time (it is part of it)
   assert 0.0 < out["dispatch_cpu_s"] and len(out["rounds_s"]["dispatch_cpu"]) == 2

@@ -6,8 +6,9 @@ On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` de
       ring-flush writes to the host still run;
   (b) fetch alone: every layer group's host gather + `device_put` of κ, issued together and blocked on;
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer group).
-fraction hidden = (a + b - c) / b per round, the median over rounds, clipped to [0, 1] (the raw value is kept
-too). Also measured: the time the
+fraction hidden = (a + b - c) / b per round (a and c back to back, in alternating order), the median over rounds,
+clipped to [0, 1] (the raw value is kept too), with a 90% bootstrap interval of that median: b is a few % of a
+step here, so a shared machine's round-to-round noise in a and c moves the fraction by much more than b. Also measured: the time the
 dispatching thread spends just issuing (b) — that part sits on the step's critical path whatever the
 transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`: dispatching the
 per-layer programs and issuing the fetches, not its waits), reported per layer. Each host store configured is
@@ -28,6 +29,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from specache_jax.arrays import Ready
 from specache_jax.bench import models, states, timing
@@ -100,7 +102,7 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
   if not (getattr(method, "offload", False) and method.speculative):
     raise ValueError(f"the overlap measurement needs an offloaded speculative SpeCache config; got {method!r}")
   prompt_len = context - margin
-  total = warmup + 1 + 2 + rounds * 2 * steps
+  total = warmup + 1 + 2 + rounds * 3 * steps            # (c), the dispatch-CPU steps and (a) per round
   tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
   drv = RuntimeDriver(model, method, batch, states.cell_slots(prompt_len, total), prompt_len)
   carry = drv.prefill(tokens, lengths)
@@ -118,19 +120,24 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
   _, carry = resident_steps(carry, 2)                     # untimed: any compile the (a) variant triggers
   fetch_all_layers(rt)
   a, b, c, d, e = [], [], [], [], []
-  for _ in range(rounds):
+  for r in range(rounds):
+    if r % 2:                                             # a c c a ...: a linear drift cancels in pairs
+      sec, carry = resident_steps(carry, steps)
+      a.append(sec)
     sec, carry = timing.time_chain(drv.step, carry, 0, steps, sync=drv.sync)
     c.append(sec)
+    if not r % 2:
+      sec, carry = resident_steps(carry, steps)
+      a.append(sec)
     sec, carry = dispatch_cpu_seconds(drv, carry, steps)
     e.append(sec)
-    sec, carry = resident_steps(carry, steps)
-    a.append(sec)
     b.append(timing.time_calls(lambda: fetch_all_layers(rt), 0, steps)["mean_s"])
     d.append(issue_seconds(rt, steps))
   ma, mb, mc = statistics.median(a), statistics.median(b), statistics.median(c)
   # per round, from that round's own (a), (b), (c) (measured back to back: a shared machine's slow drift cancels),
-  # then the median over rounds
-  raw = statistics.median([(ai + bi - ci) / bi if bi > 0 else float("nan") for ai, bi, ci in zip(a, b, c)])
+  # then the median over rounds, with its spread: b is a few % of a step, so a round's noise moves the fraction
+  per_round = [(ai + bi - ci) / bi if bi > 0 else float("nan") for ai, bi, ci in zip(a, b, c)]
+  raw = statistics.median(per_round)
   n_layers = model.config.n_layers
   return {"context": context, "batch": batch, "store": real.kind, "steps": steps, "rounds": rounds,
           "compute_alone_s": ma, "fetch_alone_s": mb, "pipelined_s": mc, "fetch_issue_s": statistics.median(d),
@@ -138,7 +145,20 @@ def measure(model, method, context: int, batch: int, steps: int, rounds: int, wa
           "dispatch_cpu_us_per_layer": statistics.median(e) / n_layers * 1e6,
           "rounds_s": {"compute_alone": a, "fetch_alone": b, "pipelined": c, "fetch_issue": d, "dispatch_cpu": e},
           "fraction_hidden_raw": raw, "fraction_hidden": min(max(raw, 0.0), 1.0),
+          "fraction_hidden_ci90": median_interval(per_round),
+          "pipelined_minus_compute_s": statistics.median([ci - ai for ai, ci in zip(a, c)]),
+          "pipelined_minus_compute_ci90_s": median_interval([ci - ai for ai, ci in zip(a, c)]),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average_1_5_15": timing.load_average()}
+
+
+def median_interval(values, level: float = 0.9, resamples: int = 2000) -> list[float]:
+  """A bootstrap interval of the median of `values` ([lo, hi] at `level`; seeded: the same values give the same
+  interval)."""
+  x = np.asarray(values, float)
+  if x.size < 2 or not np.isfinite(x).all():
+    return [float("nan"), float("nan")]
+  meds = np.median(np.random.default_rng(0).choice(x, (resamples, x.size)), axis=1)
+  return [float(np.quantile(meds, (1 - level) / 2)), float(np.quantile(meds, (1 + level) / 2))]
 
 
 def nonspeculative_step(model, method, context, batch, steps, warmup, margin, seed) -> float:

@@ -111,19 +111,26 @@ def throughput_markdown(result: dict) -> str:
       any_ = next(iter(stores.values()))
       lines += [f"S={any_['context']}, B={any_['batch']}, XLA_FLAGS=`{ov['xla_flags']}`, {any_['rounds']} rounds "
                 f"of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
-                "(a) compute alone: the offloaded step with every fetch answered \"keep the rows each layer "
-                "holds\" (no host gather, transfer or install); (b) fetch alone: every layer group's host gather "
+                "(a) compute alone: the offloaded step's own programs with every fetch answered by a block of "
+                "rows held on the device (rows installed; no host gather, transfer or wait); (b) fetch alone: every layer group's host gather "
                 "+ `device_put`, blocked; (c) the pipelined step; issue: the part of (b) the dispatching thread "
                 "spends issuing the fetches; the dispatching thread's CPU: `time.thread_time` inside (c)'s step "
                 "(per-group program dispatch and fetch issue, not its waits). Under these XLA flags the CPU "
                 "kernels run on one thread too, so the host store's worker has the other core. "
-                "Fraction hidden = (a + b − c) / b from each round's own a, b, c (measured back to back), "
-                "the median over rounds, clipped to [0, 1].", ""]
+                "Fraction hidden = (a + b − c) / b from each round's own a, b, c (a and c back to back, in "
+                "alternating order), the median over rounds, clipped to [0, 1]; in brackets a 90% bootstrap "
+                "interval of that median (b is a few % of a step: the machine's round-to-round noise in a and c "
+                "moves the fraction by more than b).", ""]
       rows = [[name] + [_ms(st[key + "_s"]) for st in stores.values()]
               for name, key in (("(a) compute alone", "compute_alone"), ("(b) fetch alone", "fetch_alone"),
                                 ("issue part of (b)", "fetch_issue"), ("(c) pipelined", "pipelined"))]
-      rows.append(["fraction hidden"] + [f"{st['fraction_hidden']:.2f} (raw {st['fraction_hidden_raw']:.2f})"
-                                         for st in stores.values()])
+      rows.append(["(c) − (a) per round: median [90% interval]"] + [
+          "{} [{}, {}]".format(_ms(st["pipelined_minus_compute_s"]), *map(_ms, st["pipelined_minus_compute_ci90_s"]))
+          if "pipelined_minus_compute_s" in st else "—" for st in stores.values()])
+      rows.append(["fraction hidden"] + [
+          f"{st['fraction_hidden']:.2f} (raw {st['fraction_hidden_raw']:.2f}"
+          + (", 90% interval [{:.2f}, {:.2f}])".format(*st["fraction_hidden_ci90"]) if "fraction_hidden_ci90" in st
+             else ")") for st in stores.values()])
       rows.append(["dispatching thread's CPU per pipelined step (µs per layer)"] + [
           f"{_ms(st['dispatch_cpu_s'])} ({st['dispatch_cpu_us_per_layer']:.0f} µs)" if "dispatch_cpu_s" in st
           else "—" for st in stores.values()])
