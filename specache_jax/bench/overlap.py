@@ -8,13 +8,12 @@ On one prefilled offloaded SpeCache runtime, in alternating rounds of `steps` de
   (c) the pipelined step: the runtime as it is (κ_{t+1} issued right after each layer group).
 fraction hidden = (a + b - c) / b per round (a and c back to back, in alternating order), the median over rounds,
 clipped to [0, 1] (the raw value is kept too), with a 90% bootstrap interval of that median: b is a few % of a
-step here, so a shared machine's round-to-round noise in a and c moves the fraction by much more than b. Also measured: the time the
-dispatching thread spends just issuing (b) — that part sits on the step's critical path whatever the
-transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`: dispatching the
-per-layer programs and issuing the fetches, not its waits), reported per layer. Each host store configured is
-measured separately. On a CPU the overlap only
-shows with single-threaded XLA, so `run_configured` measures in a subprocess with
-XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
+step here, so a shared machine's round-to-round noise in a and c moves the fraction by much more than b. Also
+measured: the time the dispatching thread spends just issuing (b) — that part sits on the step's critical path
+whatever the transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`:
+dispatching the per-group programs and issuing the fetches, not its waits), reported per layer. Each host store
+configured is measured separately. On a CPU the overlap only shows with single-threaded XLA, so
+`run_configured` measures in a subprocess with XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
 
   python -m specache_jax.bench.overlap '<json settings>'    # the subprocess entry: prints one JSON line
 """
