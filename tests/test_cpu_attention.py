@@ -95,14 +95,16 @@ def _kernel_off():
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2)])
+@pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2), ("full", None)])
 def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
-  """A decoding step (two sequences, ragged; SpeCache simulated, and KIVI) with the kernel and with the jnp ops:
-  the same logits and cache (SpeCache's κ included); lowered for a GPU the kernel is not emitted."""
+  """A decoding step (two sequences, ragged; SpeCache simulated, KIVI: the mixed kernel; the full cache: the dense
+  one) with the kernel and with the jnp ops: the same logits and cache (SpeCache's κ included); lowered for a GPU
+  the kernel is not emitted."""
   model = tiny_model(seed=8, head_dim=32)
   cfg = model.config
-  method = _specache(bits=bits) if name == "specache" else sj.cache_config("kivi", bits=bits, group_size=16,
-                                                                          residual=16)
+  method = {"specache": lambda: _specache(bits=bits), "full": lambda: sj.cache_config("full"),
+            "kivi": lambda: sj.cache_config("kivi", bits=bits, group_size=16, residual=16)}[name]()
+  target = ck.DENSE_TARGET if name == "full" else ck.ATTENTION_TARGET
   prompts = random_prompts(2, [70, 45], cfg.vocab_size)
   tokens = jnp.asarray([p + [0] * (70 - len(p)) for p in prompts], jnp.int32)
   cache = sj.decode.init_cache(method, cfg, 2, method.slots(96), jnp.float32)
@@ -116,12 +118,12 @@ def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
     return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]
 
   with_kernel = jax.jit(run)
-  assert ck.ATTENTION_TARGET in with_kernel.trace(step, cache).lower().as_text()
+  assert target in with_kernel.trace(step, cache).lower().as_text()
   lowered_gpu = jax.jit(run).trace(step, cache).lower(lowering_platforms=("cuda",)).as_text()
-  assert ck.ATTENTION_TARGET not in lowered_gpu
+  assert target not in lowered_gpu
   without = jax.jit(lambda x, c: run(x, c))
   with _kernel_off():
-    assert ck.ATTENTION_TARGET not in without.trace(step, cache).lower().as_text()
+    assert target not in without.trace(step, cache).lower().as_text()
     want = without(step, cache)
   got = with_kernel(step, cache)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -200,31 +202,3 @@ def test_dense_kernel_rows_that_see_nothing_give_zeros_and_bad_inputs_are_named(
     ckd.decode_attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), jnp.asarray([1, 1]), 1.0)
   assert not ckd.supports(jnp.float32, 24, 3) and not ckd.supports(jnp.float32, 64, 65) and ckd.supports(
       jnp.float32, 64, 64)
-
-
-@needs_kernel
-def test_full_cache_decode_step_takes_the_dense_kernel_and_equals_xla():
-  """A full-cache decoding step (two sequences, ragged): the kernel and XLA's ops give the same logits and cache;
-  lowered for a GPU the kernel is not emitted."""
-  model = tiny_model(seed=8, head_dim=32)
-  cfg, method = model.config, sj.cache_config("full")
-  prompts = random_prompts(2, [70, 45], cfg.vocab_size)
-  tokens = jnp.asarray([p + [0] * (70 - len(p)) for p in prompts], jnp.int32)
-  cache = sj.decode.init_cache(method, cfg, 2, method.slots(96), jnp.float32)
-  _, cache, _ = decoder.forward_jit(model.params, cfg, tokens, cache, method, "prefill",
-                                    jnp.asarray([70, 45], jnp.int32))
-  step = jnp.asarray([[3], [4]], jnp.int32)
-
-  def run(x, c):
-    return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]
-
-  with_kernel = jax.jit(run)
-  assert ck.DENSE_TARGET in with_kernel.trace(step, cache).lower().as_text()
-  assert ck.DENSE_TARGET not in jax.jit(run).trace(step, cache).lower(lowering_platforms=("cuda",)).as_text()
-  without = jax.jit(lambda x, c: run(x, c))
-  with _kernel_off():
-    assert ck.DENSE_TARGET not in without.trace(step, cache).lower().as_text()
-    want = without(step, cache)
-  got = with_kernel(step, cache)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

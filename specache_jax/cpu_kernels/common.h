@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -102,6 +103,36 @@ inline void RunAll(ffi::ThreadPool& pool, std::function<void(int64_t)> item, int
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->n_items) std::this_thread::yield();
+}
+
+// Items (group g, chunk c) for g < n_groups, c < n_chunks on the calling thread + the pool (`RunAll`):
+// chunk(g, c) for each, then merge(g) once on the thread that finishes group g's last chunk (no second round of
+// tasks): the two-phase schedule of the decode-attention kernels (one group per (b, KV head)).
+template <typename Chunk, typename Merge>
+inline void RunChunksThenMerge(ffi::ThreadPool& pool, int64_t n_groups, int64_t n_chunks, Chunk chunk, Merge merge) {
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_groups]);
+  for (int64_t i = 0; i < n_groups; ++i) left[i].store(n_chunks, std::memory_order_relaxed);
+  RunAll(pool, [&](int64_t item) {
+    const int64_t g = item / n_chunks;
+    chunk(g, item % n_chunks);
+    if (left[g].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(g);
+  }, n_groups * n_chunks);
+}
+
+// The log-sum-exp merge of one row's chunks (online-softmax pieces at stride `m` rows): acc[0 .. hd/16) +=
+// Σ_c exp(max_c - row_max) · out_c; returns Σ_c exp(max_c - row_max) · sum_c. Chunks with max -inf are skipped.
+// c_max, c_sum: the row's first chunk ([n_chunks] at stride m); c_out: its first chunk's [hd] (stride m·hd).
+inline float MergeChunks(const float* c_max, const float* c_sum, const float* c_out, int64_t n_chunks, int64_t m,
+                         int64_t hd, float row_max, V* acc) {
+  float z = 0.f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const float cm = c_max[c * m];
+    if (cm == -__builtin_inff()) continue;
+    const float f = std::exp(cm - row_max);
+    z += f * c_sum[c * m];
+    for (int64_t i = 0; i < hd / 16; ++i) acc[i] += f * Load(c_out + c * m * hd + 16 * i);
+  }
+  return z;
 }
 
 }  // namespace specache_cpu

@@ -9,11 +9,9 @@
 //      never read: the bytes read are the attended slots', not the buffer's.
 //   2. per (b, k), on the thread that finishes its last chunk: the log-sum-exp merge of the chunks.
 // A row with no visible slot gives 0. float32 throughout; the exp is cephes' expf polynomial (~1 ulp).
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +25,7 @@ namespace {
 using specache_cpu::Exp;
 using specache_cpu::kIota;
 using specache_cpu::Load;
+using specache_cpu::MergeChunks;
 using specache_cpu::Splat;
 using specache_cpu::Store;
 using specache_cpu::V;
@@ -181,15 +180,8 @@ void MergeItem(const Shapes& d, int64_t bk, const float* c_max, const float* c_s
     }
     V acc[kMaxHeadDim / 16];
     for (int64_t i = 0; i < nv; ++i) acc[i] = V{};
-    float z = 0.f;
-    for (int64_t c = 0; c < nc; ++c) {
-      const float cm = c_max[(bk * nc + c) * m + r];
-      if (cm == kNegInf) continue;
-      const float f = std::exp(cm - row_max);
-      z += f * c_sum[(bk * nc + c) * m + r];
-      const float* co = c_out + ((bk * nc + c) * m + r) * hd;
-      for (int64_t i = 0; i < nv; ++i) acc[i] += f * Load(co + 16 * i);
-    }
+    const float z = MergeChunks(c_max + bk * nc * m + r, c_sum + bk * nc * m + r, c_out + (bk * nc * m + r) * hd,
+                                nc, m, hd, row_max, acc);
     const float inv = 1.f / z;
     for (int64_t i = 0; i < nv; ++i) Store(orow + 16 * i, acc[i] * inv);
   }
@@ -220,14 +212,10 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t t_rows, ffi::Buffer<ffi::F32> q, ff
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const int32_t* lim = limit.typed_data();
   float* op = out->typed_data();
-  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[n_bk]);
-  for (int64_t i = 0; i < n_bk; ++i) chunks_left[i].store(d.n_chunks, std::memory_order_relaxed);
-  auto item_fn = [&](int64_t item) {
-    const int64_t bk = item / d.n_chunks, ci = item % d.n_chunks;
-    ChunkItem(d, bk, ci, qp, kp, vp, lim, c_max, c_sum, c_out);
-    if (chunks_left[bk].fetch_sub(1, std::memory_order_acq_rel) == 1) MergeItem(d, bk, c_max, c_sum, c_out, op);
-  };
-  specache_cpu::RunAll(pool, item_fn, n_bk * d.n_chunks);
+  specache_cpu::RunChunksThenMerge(
+      pool, n_bk, d.n_chunks,
+      [&](int64_t bk, int64_t ci) { ChunkItem(d, bk, ci, qp, kp, vp, lim, c_max, c_sum, c_out); },
+      [&](int64_t bk) { MergeItem(d, bk, c_max, c_sum, c_out, op); });
   return ffi::Error::Success();
 }
 

@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,6 +38,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using specache_cpu::Load;
+using specache_cpu::MergeChunks;
 using specache_cpu::Splat;
 using specache_cpu::Store;
 using specache_cpu::Sum;
@@ -432,17 +432,10 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
       std::fill(orow, orow + hd, 0.f);
       continue;
     }
-    float z = 0.f;
     V acc[kMaxHeadDim / 16];
     for (int64_t i = 0; i < nv; ++i) acc[i] = V{};
-    for (int64_t c = 0; c < nc; ++c) {
-      const float cm = c_max[(bk * nc + c) * m + r];
-      if (cm == kNegInf) continue;
-      const float f = std::exp(cm - row_max);
-      z += f * c_sum[(bk * nc + c) * m + r];
-      const float* co = c_out + ((bk * nc + c) * m + r) * hd;
-      for (int64_t i = 0; i < nv; ++i) acc[i] += f * Load(co + 16 * i);
-    }
+    float z = MergeChunks(c_max + bk * nc * m + r, c_sum + bk * nc * m + r, c_out + (bk * nc * m + r) * hd, nc, m,
+                          hd, row_max, acc);
     V zv = V{};                                          // masked columns: exp(-inf) = 0
     for (int64_t j = 0; j < e16; j += 16) {
       const V p = Exp(Load(le.data() + j) - row_max);
@@ -526,18 +519,16 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   float *op = out->typed_data(), *pl = probs_low->typed_data(), *pe = probs_extra->typed_data();
   using ChunkFn = decltype(&ChunkItem<1>);
   const ChunkFn chunk = bits == 1 ? &ChunkItem<1> : bits == 2 ? &ChunkItem<2> : bits == 4 ? &ChunkItem<4> : &ChunkItem<8>;
-  // Phase 2 of a (b, k) runs on the thread that finishes its last chunk: no second round of tasks.
-  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[n_bk]);
-  for (int64_t i = 0; i < n_bk; ++i) chunks_left[i].store(d.n_chunks, std::memory_order_relaxed);
-  auto item_fn = [&](int64_t item) {
-    const int64_t bk = item / d.n_chunks, ci = item % d.n_chunks;
-    const int64_t len = std::min<int64_t>(d.s, std::max<int32_t>(0, lens[bk / d.k]));
-    chunk(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max, c_sum, c_out, last_p);
-    if (chunks_left[bk].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max, c_sum, c_out,
-                last_p, op, pl, pe);
-  };
-  specache_cpu::RunAll(pool, item_fn, n_bk * d.n_chunks);
+  specache_cpu::RunChunksThenMerge(
+      pool, n_bk, d.n_chunks,
+      [&](int64_t bk, int64_t ci) {
+        const int64_t len = std::min<int64_t>(d.s, std::max<int32_t>(0, lens[bk / d.k]));
+        chunk(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max, c_sum, c_out, last_p);
+      },
+      [&](int64_t bk) {
+        MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max, c_sum, c_out,
+                  last_p, op, pl, pe);
+      });
   return ffi::Error::Success();
 }
 
