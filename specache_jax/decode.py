@@ -5,8 +5,9 @@ the benchmarks.
   -> steps: decode [T_t(, T'_{t+1})] -> sample T_{t+1} -> `next_input` -> `speculation` (hits, misses)
      -> `observe_speculation` (tell the method which rows missed)
 
-Every cache method runs through the same loop; a method that decodes two rows per step (SpeCache: the real
-token and a speculative one) declares `decode_width = 2` and the loop feeds `[T_t, T'_{t+1}]`. The jitted loop
+Every cache method runs through the same loop; a method that decodes speculative rows beside the real one
+(SpeCache: one guess of the next token, or its `candidates` likeliest) declares `decode_width = 1 + C` and the
+loop feeds `[T_t, T'_{t+1}, ...]` (the guesses all at position n + 1: the method's `row_offsets`). The jitted loop
 carries a `DecodeState` and takes a `SamplingSpec`; decoding steps run the decoder's per-layer loop over a
 per-layer cache (`decoder.per_layer`) with per-layer params, so each layer's buffers are updated in place.
 """
@@ -94,35 +95,50 @@ def is_stop(tok_B, spec: SamplingSpec):
 
 
 def guess(logits_BV):
-  """The speculative token: the greedy guess of the next token -> [B] int32."""
+  """The greedy guess of the next token -> [B] int32."""
   return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
-def first_input(method: CacheConfig, first_B, guess_B=None):
-  """The first decoding input [B, W]: [T1] or, for a two-row method, [T1, T'2]."""
-  if method.decode_width == 2:
-    return jnp.stack([first_B, guess_B], axis=1)
+def guesses(method: CacheConfig, logits_BV):
+  """A speculative method's guesses of the next token: its decode_width - 1 likeliest, best first -> [B, C]
+  int32 (one: `guess`)."""
+  c = method.decode_width - 1
+  if c == 1:
+    return guess(logits_BV)[:, None]
+  return jax.lax.top_k(logits_BV, c)[1].astype(jnp.int32)
+
+
+def first_input(method: CacheConfig, first_B, guesses_BC=None):
+  """The first decoding input [B, W]: [T1] or, for a speculative method, [T1, its guesses of T2]."""
+  if method.decode_width > 1:
+    return jnp.concatenate([first_B[:, None], guesses_BC], axis=1)
   return first_B[:, None]
 
 
-def next_input(method: CacheConfig, nxt_B, logits_BWV):
-  """The next decoding input [B, W] from the sampled token and this step's logits (the speculative row's
-  argmax is the next guess)."""
-  return first_input(method, nxt_B, guess(logits_BWV[:, -1]) if method.decode_width == 2 else None)
+def next_input(method: CacheConfig, inp_BW, nxt_B, logits_BWV):
+  """The next decoding input [B, W] from this step's input, the sampled token and this step's logits: the next
+  guesses come from the speculative row whose guess was the sampled token (its logits saw the right
+  history), else from the first candidate's (one guess: always its row)."""
+  if method.decode_width == 1:
+    return first_input(method, nxt_B)
+  hit = inp_BW[:, 1:] == nxt_B[:, None]                                      # [B, C]
+  row = 1 + jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), 0)
+  src = jnp.take_along_axis(logits_BWV, row[:, None, None], axis=1)[:, 0]   # [B, V]
+  return first_input(method, nxt_B, guesses(method, src))
 
 
 def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
-  """(hits [] float32, steps [] float32, missed [B] bool) of this step's speculative tokens; zeros for a one-row
-  method. A row that is not active counts as neither."""
-  if method.decode_width != 2:
+  """(hits [] float32, steps [] float32, missed [B] bool) of this step's speculative tokens (a hit: one of the
+  guesses was the sampled token); zeros for a one-row method. A row that is not active counts as neither."""
+  if method.decode_width == 1:
     zero = jnp.zeros((), jnp.float32)
     return zero, zero, jnp.zeros(nxt_B.shape, bool)
-  missed = inp_BW[:, 1] != nxt_B
+  missed = ~jnp.any(inp_BW[:, 1:] == nxt_B[:, None], axis=-1)
   return (jnp.sum(~missed & active_B).astype(jnp.float32), jnp.sum(active_B).astype(jnp.float32), missed)
 
 
 def observe_speculation(method: CacheConfig, cache: Cache, missed_B) -> Cache:
-  """Tell a two-row method which rows' speculative token missed (its optional hook; see caches/base.py)."""
+  """Tell a speculative method which rows' guesses all missed (its optional hook; see caches/base.py)."""
   return cache.replace(layers=_observe(method, cache.layers, missed_B))
 
 
@@ -144,7 +160,7 @@ def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
   if not method.uses_predecode:
     return first_input(method, first_B), cache, None
   logits, cache, _ = decoder.forward(params, cfg, first_B[:, None], cache, method, "predecode")
-  return first_input(method, first_B, guess(logits[:, 0])), cache, logits[:, 0]
+  return first_input(method, first_B, guesses(method, logits[:, 0])), cache, logits[:, 0]
 
 
 def _masked_sum(aux, active_B):
@@ -165,10 +181,10 @@ def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeStat
   rng, sub = jax.random.split(state.rng)
   nxt = jnp.where(state.done, spec.pad_id, sample(logits[:, 0], sub, spec))
   hits, steps, missed = speculation(method, state.inp, nxt, active)
-  if method.decode_width == 2:
+  if method.decode_width > 1:
     cache = observe_speculation(method, cache, missed)
   return state.replace(
-      step=state.step + 1, cache=cache, inp=next_input(method, nxt, logits),
+      step=state.step + 1, cache=cache, inp=next_input(method, state.inp, nxt, logits),
       tokens=jax.lax.dynamic_update_slice(state.tokens, nxt[:, None], (0, state.step)),
       done=state.done | is_stop(nxt, spec), num_tokens=state.num_tokens + active.astype(jnp.int32), rng=rng,
       stats=jax.tree.map(jnp.add, state.stats, _masked_sum(aux, active)),

@@ -97,10 +97,11 @@ def _with_fetched(st, kappa, rows):
   return sc.with_fetched(st, kappa, *rows)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "phase"))
-def _embed(params, tokens, lengths, *, cfg, phase):
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase"))
+def _embed(params, tokens, lengths, *, cfg, method, phase):
   """The step's inputs to the first layer and the RoPE tables every layer shares."""
-  return dec.embed(params, tokens), dec.rope_for(cfg, phase, lengths, tokens.shape[1])
+  t = tokens.shape[1]
+  return dec.embed(params, tokens), dec.rope_for(cfg, phase, lengths, t, dec.row_offsets(method, phase, t))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -115,7 +116,7 @@ def _sample_next(params, x, rng, inp, done, spec, *, cfg, method):
   logits = dec.lm_head(params, cfg, x)                                      # [B, W, V]
   nxt = jnp.where(done, spec.pad_id, decode.sample(logits[:, 0], rng, spec))
   hits, steps, missed = decode.speculation(method, inp, nxt, ~done)
-  return nxt, decode.next_input(method, nxt, logits), hits, steps, missed
+  return nxt, decode.next_input(method, inp, nxt, logits), hits, steps, missed
 
 
 @dataclasses.dataclass
@@ -197,7 +198,7 @@ class OffloadRuntime:
     for r0 in range(0, self.batch, rows):                     # sequences in chunks: bounded activations
       r1 = min(self.batch, r0 + rows)
       toks, lens = tokens_BT[r0:r1], lengths_B[r0:r1]
-      x, rope = _embed(self.params, toks, lens, cfg=self.cfg, phase="prefill")
+      x, rope = _embed(self.params, toks, lens, cfg=self.cfg, method=self.method, phase="prefill")
       for l, lp in enumerate(self.layer_params):
         x, self.states[l], k, v = _prefill_layer(lp, x, lens, rope, self.states[l],
                                                  None if rows == self.batch else np.int32(r0), **kw)
@@ -222,7 +223,7 @@ class OffloadRuntime:
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
     pending = []
-    x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, phase="predecode")
+    x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, method=self.method, phase="predecode")
     for g in range(len(self.groups)):
       x = self._run_group(g, x, lengths_B, rope, None, "predecode")
       pending.append(self._fetch_group(g))
@@ -258,7 +259,7 @@ class OffloadRuntime:
       self.states = list(_observe(tuple(self.states), jnp.asarray(miss_B), method=method))
     sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
                                                     or bool(np.any(miss_B)))
-    x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, phase="decode")
+    x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, method=self.method, phase="decode")
     stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
@@ -289,8 +290,8 @@ class OffloadRuntime:
     first = decode.sample(logits, sub, spec)
     if method.uses_predecode:
       x, pending = self.predecode(first, lengths)
-      inp = decode.first_input(method, first, decode.guess(_head(self.params, x, jnp.zeros_like(lengths),
-                                                                 cfg=self.cfg)))
+      inp = decode.first_input(method, first, decode.guesses(method, _head(self.params, x, jnp.zeros_like(lengths),
+                                                                           cfg=self.cfg)))
     else:
       pending, inp = None, decode.first_input(method, first)
     jax.block_until_ready(inp)
@@ -308,7 +309,7 @@ class OffloadRuntime:
       nxt, inp, hits, steps, missed = _sample_next(self.params, x, sub, inp, jnp.asarray(done), spec,
                                                    cfg=self.cfg, method=method)
       nxt_np = np.asarray(nxt)                                              # the one sync of a step
-      miss = np.asarray(missed) if method.decode_width == 2 else None
+      miss = np.asarray(missed) if method.decode_width > 1 else None
       spec_hits += float(hits)
       spec_steps += float(steps)
       num += (~done).astype(np.int32)

@@ -1,11 +1,14 @@
-"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift): exact with k >= n, offloaded =
-simulated, what each selects, how often drift fetches on the critical path."""
+"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates): exact with k >= n,
+offloaded = simulated, what each selects, how often drift fetches on the critical path, what the candidate rows
+see and how the next guesses are chosen."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specache_jax as sj
+from specache_jax import decode
+from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches import specache as sc
 from specache_jax.decode import init_cache
@@ -19,7 +22,9 @@ OPTIONS = {
     "hedge": dict(hedge=2),
     "hedge_shift": dict(hedge=2, hedge_shift=1),
     "drift": dict(drift=0.05),
-    "all": dict(skip_ring=True, hedge=1, hedge_shift=1, drift=0.05, exact_on_miss=True),
+    "candidates": dict(candidates=2),
+    "candidates_mean": dict(candidates=3, candidate_merge="mean"),
+    "all": dict(skip_ring=True, hedge=1, hedge_shift=1, drift=0.05, exact_on_miss=True, candidates=2),
 }
 
 
@@ -54,7 +59,7 @@ def test_hedge_drift_and_their_combination_change_what_is_attended_with_a_small_
   prompts = random_prompts(12, [40, 33], model.config.vocab_size)
   faithful = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                          cache=sj.cache_config("specache", topk=3, **BASE))
-  for name in ("hedge", "drift", "all"):
+  for name in ("hedge", "drift", "candidates", "all"):
     got = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                       cache=sj.cache_config("specache", topk=3, **BASE, **OPTIONS[name]))
     assert not np.array_equal(got.tokens, faithful.tokens), name
@@ -147,7 +152,10 @@ def test_default_state_carries_no_speculative_query():
     (dict(hedge=5, topk=4), "hedge=5 must be at most topk=4"), (dict(hedge=-1), "hedge=-1"),
     (dict(hedge_shift=1), "needs hedge > 0"), (dict(hedge=1, attention_impl="pallas_interpret"), "needs attention_impl"),
     (dict(drift=3.0), "drift=3.0"), (dict(drift=2.0), "never fires"), (dict(drift="x"), "drift='x'"), (dict(drift=0.1, speculative=False), "speculative=True"),
-    (dict(hedge=1, speculative=False), "speculative=True")])
+    (dict(hedge=1, speculative=False), "speculative=True"), (dict(candidates=0), "candidates=0"),
+    (dict(candidates=2, speculative=False), "candidates=2 are speculative rows"),
+    (dict(candidates=2, attention_impl="pallas"), "candidates=2 needs attention_impl='jnp'"),
+    (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of")])
 def test_bad_robust_speculation_settings(settings, match):
   with pytest.raises(ValueError, match=match):
     sj.cache_config("specache", **settings)
@@ -180,3 +188,69 @@ def test_robust_preset_with_topk_covering_the_context_equals_the_full_cache():
   got = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=(),
                     cache=sj.cache_config("specache", topk=64, preset="robust", **BASE))
   np.testing.assert_array_equal(got.tokens, full.tokens)
+
+
+def test_candidate_rows_sit_at_the_next_position_and_see_only_the_real_row():
+  """One step of [T, g1, g2] with two candidates: the real row's logits are the faithful step's, and candidate c's
+  are exactly those of a faithful step [T, g_c] (same position, same κ_t, blind to the other candidate)."""
+  two = sj.cache_config("specache", topk=3, candidates=2, **BASE)
+  one = sj.cache_config("specache", topk=3, **BASE)
+  model, toks, cache2 = _after_predecode(two)
+  _, _, cache1 = _after_predecode(one)
+  assert two.decode_width == 3 and two.row_offsets(3) == (0, 1, 1)
+  np.testing.assert_array_equal(np.asarray(cache2.layers.kappa), np.asarray(cache1.layers.kappa))
+  step = jnp.asarray([[int(toks[0, 37]), 5, 9]], jnp.int32)
+  got, after, _ = forward(model.params, model.config, step, cache2, two, "decode")
+  for c in (1, 2):
+    want, _, _ = forward(model.params, model.config, step[:, (0, c)], cache1, one, "decode")
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, 0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[:, c]), np.asarray(want[:, 1]), rtol=1e-5, atol=1e-5)
+  assert int(after.lengths[0]) == 38                                        # only the real row is stored
+  mask = np.asarray(A.new_rows_mask(1, (0, 1, 1)))[0, 0]
+  np.testing.assert_array_equal(mask, [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+
+
+def test_candidates_merge_their_probabilities_into_one_top_k():
+  rng = np.random.default_rng(1)
+  probs = jnp.asarray(rng.random((2, 3, 4, 40)), jnp.float32)              # rows: real, 3 candidates
+  n = jnp.asarray([39, 20])
+  for merge, fn in (("max", np.max), ("mean", np.mean)):
+    method = sj.cache_config("specache", topk=5, candidates=3, candidate_merge=merge, **BASE)
+    kappa = np.asarray(sc._next_kappa(method, probs, n))
+    for b in range(2):
+      score = np.where(np.arange(40) < int(n[b]) + 1, fn(np.asarray(probs[b, :, 1:]), axis=1), -1.0)
+      for k in range(3):
+        assert set(kappa[b, k].tolist()) == set(np.argsort(-score[k], kind="stable")[:5].tolist())
+
+
+def test_next_guesses_come_from_the_candidate_that_was_right():
+  method = sj.cache_config("specache", candidates=2, **BASE)
+  logits = np.zeros((3, 3, 10), np.float32)                        # [B, W, V]; row 0's logits play no part
+  logits[:, 1, [1, 3]] = [2.0, 1.0]                                # candidate row 1: token 1, then 3
+  logits[:, 2, [2, 4]] = [2.0, 1.0]                                # candidate row 2: token 2, then 4
+  logits = jnp.asarray(logits)
+  inp = jnp.asarray([[7, 8, 9], [7, 8, 9], [7, 8, 9]], jnp.int32)
+  nxt = jnp.asarray([9, 8, 5], jnp.int32)                          # candidate 2 right, candidate 1 right, none
+  got = np.asarray(decode.next_input(method, inp, nxt, logits))
+  np.testing.assert_array_equal(got, [[9, 2, 4], [8, 1, 3], [5, 1, 3]])
+  hits, steps, missed = decode.speculation(method, inp, nxt, jnp.asarray([True, True, True]))
+  assert (float(hits), float(steps)) == (2.0, 3.0) and np.asarray(missed).tolist() == [False, False, True]
+
+
+def test_drift_with_candidates_measures_the_nearest_candidate():
+  two = sj.cache_config("specache", topk=3, candidates=2, drift=0.05, **BASE)
+  cfg = _model().config
+  st = jax.eval_shape(lambda: two.impl.init(two, cfg, 1, 64, jnp.float32))
+  g = cfg.n_heads // cfg.n_kv_heads
+  assert st.spec_q.shape == (cfg.n_layers, 1, cfg.n_kv_heads, 2 * g, cfg.head_dim)
+  rng = np.random.default_rng(2)
+  real = jnp.asarray(rng.standard_normal((1, 1, cfg.n_heads, cfg.head_dim)), jnp.float32)
+  far = jnp.asarray(rng.standard_normal((1, 1, cfg.n_heads, cfg.head_dim)), jnp.float32)
+  for order in ((far, real), (real, far)):                   # the real query is one of the candidates: drift 0
+    q = jnp.concatenate([real, *order], axis=1)
+    st0 = sc._with_spec_query(two, _blank_state(two, cfg), q)
+    np.testing.assert_allclose(np.asarray(sc.query_drift(st0, q)), 0.0, atol=1e-6)
+
+
+def _blank_state(method, cfg):
+  return jax.tree.map(lambda a: a[0], method.impl.init(method, cfg, 1, 64, jnp.float32))

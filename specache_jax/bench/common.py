@@ -24,10 +24,17 @@ def error_reason(e: Exception) -> str:
   return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def greedy_rows(params, x_BWD, *, cfg):
-  """Argmax of the LM head at every row: [B, W] int32 (row 0 the real token, row 1 the speculative one)."""
-  return jnp.argmax(dec.lm_head(params, cfg, x_BWD), axis=-1).astype(jnp.int32)
+@functools.partial(jax.jit, static_argnames=("cfg", "method"))
+def greedy_next(params, x_BWD, inp_BW, *, cfg, method):
+  """The next decoding input [B, W] after a greedy step (`decode.next_input` of the real row's argmax)."""
+  logits = dec.lm_head(params, cfg, x_BWD)
+  return decode.next_input(method, inp_BW, decode.guess(logits[:, 0]), logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method"))
+def first_guesses(params, x_B1D, *, cfg, method):
+  """The pre-decoding pass's guesses of token 2 [B, C] (`decode.guesses`)."""
+  return decode.guesses(method, dec.lm_head(params, cfg, x_B1D)[:, 0])
 
 
 class RuntimeDriver:
@@ -44,13 +51,14 @@ class RuntimeDriver:
     if not self.method.uses_predecode:
       return decode.first_input(self.method, first), lengths, None
     x, pending = self.rt.predecode(first, lengths)
-    return decode.first_input(self.method, first, greedy_rows(self.params, x, cfg=self.cfg)[:, 0]), lengths, pending
+    guesses = first_guesses(self.params, x, cfg=self.cfg, method=self.method)
+    return decode.first_input(self.method, first, guesses), lengths, pending
 
   def step(self, carry):
     """One greedy step: the next input is every row's argmax (= `decode.next_input` with greedy sampling)."""
     inp, lengths, pending = carry
     x, pending = self.rt.step(inp, lengths, pending)
-    return greedy_rows(self.params, x, cfg=self.cfg), lengths + 1, pending
+    return greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method), lengths + 1, pending
 
   def sync(self, carry):
     """What must be finished for the steps so far to count as done (incl. the issued fetches and ring-flush writes)."""

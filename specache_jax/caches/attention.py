@@ -110,6 +110,15 @@ def causal_new_mask(batch: int, t: int):
   return jnp.broadcast_to(m[None, None], (batch, 1, t, t))
 
 
+def new_rows_mask(batch: int, offsets):
+  """Mask [B, 1, T, T] of new rows at position offsets `offsets` (`CacheConfig.row_offsets`): row i sees row j
+  when j sits at an earlier position, and itself (rows at the same position — alternative candidates — never
+  see each other). Consecutive offsets give `causal_new_mask`."""
+  off = jnp.asarray(offsets, jnp.int32)
+  m = (off[None, :] < off[:, None]) | jnp.eye(len(offsets), dtype=bool)
+  return jnp.broadcast_to(m[None, None], (batch, 1) + m.shape)
+
+
 def valid_cols_mask(lengths_B, s: int, t: int):
   """Mask [B, 1, T, S]: slot s < lengths[b] (the cached part every new row may see)."""
   m = jnp.arange(s)[None, :] < lengths_B[:, None]                        # [B, S]

@@ -39,7 +39,7 @@ class MethodModule(Protocol):
 class CacheConfig:
   """Base of every method's frozen config dataclass, with the optional hooks' defaults."""
   name: ClassVar[str] = ""
-  # Query rows per decoding step (SpeCache: 2 = real + speculative) and rows stored of them.
+  # Query rows per decoding step (SpeCache: 1 real + its speculative candidates) and rows stored of them.
   decode_width: ClassVar[int] = 1
   needs_attention_colsum: ClassVar[bool] = False
   uses_predecode: ClassVar[bool] = False      # the module has predecode(method, st, q, k, v, lengths)
@@ -57,6 +57,12 @@ class CacheConfig:
 
   def validate(self, model_cfg: ModelConfig, max_len: int) -> None:
     """Raise ConfigError naming the value and the rule; called before anything is compiled."""
+
+  def row_offsets(self, t: int) -> tuple[int, ...]:
+    """Positions of a decoding call's T new rows after the n stored tokens, as offsets from n: consecutive
+    (n, n+1, ...) by default; SpeCache's candidate rows all sit at n + 1. A new row sees the new rows at earlier
+    positions and itself (`attention.new_rows_mask`)."""
+    return tuple(range(t))
 
   def rows_stored(self, t: int, phase: str) -> int:
     """How many of the T new rows of a call enter the cache (all, except SpeCache's speculative row)."""

@@ -39,6 +39,7 @@ from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
+CANDIDATE_MERGES = ("max", "mean")               # how several speculative rows' probabilities combine
 
 # Named settings (`cache_config("specache", preset=...)`), each a function of the k rows fetched:
 #   faithful  the paper's method: every robust-speculation option off (the defaults);
@@ -77,8 +78,14 @@ class SpeCacheConfig(CacheConfig):
   hedge_shift: int = 0          # the real row's picks are the positions this far after its top ones (1: where
                                 # copying heads look next)
   drift: float = 0.0            # > 0: per layer, a KV head whose real query moved more than this (1 - cosine,
-                                # mean over its query heads) from the speculative query that chose κ_t gets the
-                                # real row's own low-bit top-k instead, fetched on the critical path
+                                # mean over its query heads; with candidates, from the nearest candidate's) from
+                                # the speculative query that chose κ_t gets the real row's own low-bit top-k
+                                # instead, fetched on the critical path
+  candidates: int = 1           # speculative rows per step: the `candidates` likeliest next tokens (the top
+                                # guesses of the row whose guess was right), each at position n+1 beside the real
+                                # row; κ_{t+1} is the top-k of their probabilities merged per position by
+                                # `candidate_merge` (same bytes moved, more rows computed; jnp attention for > 1)
+  candidate_merge: str = "max"  # max | mean over the candidates' group-averaged probabilities
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -110,6 +117,14 @@ class SpeCacheConfig(CacheConfig):
     if (self.hedge or self.drift) and not self.speculative:
       raise ConfigError(f"hedge={self.hedge} / drift={self.drift} refine speculative selection; they need "
                         "speculative=True")
+    check_int("candidates", self.candidates, 1)
+    if self.candidates > 1 and not self.speculative:
+      raise ConfigError(f"candidates={self.candidates} are speculative rows; they need speculative=True")
+    if self.candidates > 1 and self.attention_impl != "jnp":
+      raise ConfigError(f"candidates={self.candidates} needs attention_impl='jnp' (the Pallas kernel returns "
+                        f"only the last row's probabilities), got {self.attention_impl!r}")
+    if self.candidate_merge not in CANDIDATE_MERGES:
+      raise ConfigError(f"candidate_merge={self.candidate_merge!r} must be one of {CANDIDATE_MERGES}")
 
   @property
   def impl(self):
@@ -124,7 +139,11 @@ class SpeCacheConfig(CacheConfig):
 
   @property
   def decode_width(self) -> int:
-    return 2 if self.speculative else 1
+    return 1 + self.candidates if self.speculative else 1
+
+  def row_offsets(self, t):
+    """The real row at n, every speculative candidate at n + 1."""
+    return (0,) + (1,) * (t - 1)
 
   @property
   def uses_predecode(self) -> bool:
@@ -170,7 +189,8 @@ class State:
   fetched_k: jax.Array     # [B, K, X, H] the 16-bit rows at kappa (device)
   fetched_v: jax.Array     # [B, K, X, H]
   miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
-  spec_q: jax.Array        # [B, K, G, H] float32 the query that chose κ (drift, track_hits; else [B, K, G, 0])
+  spec_q: jax.Array        # [B, K, C·G, H] float32 the queries that chose κ, candidate-major (drift,
+                           # track_hits; else [B, K, C·G, 0])
 
 
 def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
@@ -183,7 +203,8 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       kappa=jnp.zeros((batch, k, x), jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
       miss=jnp.zeros((batch,), bool),
-      spec_q=jnp.zeros((batch, k, model_cfg.n_heads // k, h if _keeps_spec_query(method) else 0), jnp.float32))
+      spec_q=jnp.zeros((batch, k, method.candidates * (model_cfg.n_heads // k),
+                        h if _keeps_spec_query(method) else 0), jnp.float32))
   return stack_layers(model_cfg.n_layers, st)
 
 
@@ -310,7 +331,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   ring_ok = (ring_pos >= 0) & ~_membership(ring_pos, kap_set)             # [B, K, R]
   kap_mask = jnp.broadcast_to(kap_use[:, :, None, :], (b, n_kv, t, x))
   ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, method.residual))
-  new_mask = A.causal_new_mask(b, t)
+  offsets = method.row_offsets(t)
+  new_mask = A.new_rows_mask(b, offsets)
   sm_scale = h ** -0.5
   exclude = jnp.where(kap_use, kappa, -1)
 
@@ -348,7 +370,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     out, probs_low, probs_extra = ck.on_cpu(
         tuple(rows) == (-1,) and cpu_attention.applies(method.bits, method.group_size, h),
         lambda: fused_attention(cpu_attention.mixed_decode_attention), jnp_attention)
-  new_pos = jnp.broadcast_to((lengths[:, None] + jnp.arange(t)[None, :])[:, None, :], (b, n_kv, t))
+  new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
   idx = jnp.where(extra_ok, extra_pos, s)                                   # invalid -> dropped slot s
@@ -412,13 +434,16 @@ def fetches_on_critical_path(method: SpeCacheConfig) -> bool:
 
 def query_drift(st: State, q):
   """[B, K] float32: 1 - cosine between the real row's query (row 0 of q [B,T,N,H]) and the speculative query
-  that chose κ_t (`st.spec_q`, same position, so RoPE does not change it), averaged over each KV head's group."""
-  n_kv = st.kappa.shape[1]
+  that chose κ_t (`st.spec_q`, same position, so RoPE does not change it), averaged over each KV head's group;
+  with several candidates, the nearest one's (the largest mean cosine)."""
+  b, n_kv = st.kappa.shape[:2]
   real = A.split_heads(q[:, :1], n_kv)[:, 0].astype(jnp.float32)           # [B, K, G, H]
-  spec = st.spec_q
+  g = real.shape[2]
+  spec = st.spec_q.reshape(b, n_kv, -1, g, real.shape[-1])                 # [B, K, C, G, H]
+  real = real[:, :, None]
   cos = jnp.sum(real * spec, -1) / jnp.maximum(jnp.linalg.norm(real, axis=-1) * jnp.linalg.norm(spec, axis=-1),
                                                jnp.finfo(jnp.float32).tiny)
-  return jnp.maximum(1.0 - jnp.mean(cos, axis=-1), 0.0)                   # rounding: never below 0
+  return jnp.maximum(1.0 - jnp.max(jnp.mean(cos, axis=-1), axis=-1), 0.0)  # rounding: never below 0
 
 
 def corrected_heads(method: SpeCacheConfig, st: State, q):
@@ -443,12 +468,26 @@ def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, 
   return jnp.where(corrected_heads(method, st, q)[..., None], real, st.kappa)
 
 
+def _probability_rows(method: SpeCacheConfig) -> tuple[int, ...]:
+  """The decoding rows whose probabilities κ_{t+1} is chosen from: the real row's first when hedging, then the
+  speculative candidates' (a single candidate as row -1: the form the fused kernels return)."""
+  spec = (-1,) if method.candidates == 1 else tuple(range(1, 1 + method.candidates))
+  return ((0,) if method.hedge else ()) + spec
+
+
+def merge_candidates(method: SpeCacheConfig, probs_BKCS):
+  """The speculative candidates' probabilities [B, K, C, S] -> one score per position [B, K, S]
+  (`candidate_merge`: the largest, or the mean)."""
+  return (jnp.max if method.candidate_merge == "max" else jnp.mean)(probs_BKCS, axis=2)
+
+
 def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
-  """κ_{t+1} from this step's probabilities (rows: the real row first when hedging, the speculative row last);
-  candidates: `candidates(method, n + 1)` (0..n, T_t included; with skip_ring only those below the ring)."""
+  """κ_{t+1} from this step's probabilities (rows: `_probability_rows`); candidates: `candidates(method, n + 1)`
+  (0..n, T_t included; with skip_ring only those below the ring)."""
+  spec = merge_candidates(method, probs_BKRS[:, :, -method.candidates:])
   if method.hedge:
-    return select_hedged(method, probs_BKRS[:, :, 0], probs_BKRS[:, :, -1], lengths + 1)
-  return select(method, probs_BKRS[:, :, -1], lengths + 1)
+    return select_hedged(method, probs_BKRS[:, :, 0], spec, lengths + 1)
+  return select(method, spec, lengths + 1)
 
 
 def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring):
@@ -465,18 +504,22 @@ def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, 
     aux["sync_fetch_heads"] = jnp.mean(corrected_heads(method, st, q).astype(jnp.float32), axis=1)
     aux["sync_fetch_count"] = jnp.ones(lengths.shape, jnp.float32)
   aux.update(_hit_stats(method, st, q, lengths, st.kappa))
-  rows = (0, -1) if method.hedge else (-1,)
-  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring, rows=rows)
+  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring,
+                               rows=_probability_rows(method))
   if method.speculative:
     st = _with_spec_query(method, st.replace(kappa=_next_kappa(method, probs, lengths)), q)
   return out, st, aux
 
 
 def _with_spec_query(method: SpeCacheConfig, st: State, q):
-  """Record the query that chose κ (the last row of q: the speculative row, or T1 in pre-decoding) for drift."""
+  """Record the queries that chose κ (the speculative candidates' rows 1.., or T1 in pre-decoding, standing for
+  every candidate) for drift. -> spec_q [B, K, C·G, H]."""
   if not _keeps_spec_query(method):
     return st
-  return st.replace(spec_q=A.split_heads(q[:, -1:], st.kappa.shape[1])[:, 0].astype(jnp.float32))
+  rows = q[:, 1:] if q.shape[1] > 1 else jnp.repeat(q, method.candidates, axis=1)     # [B, C, N, H]
+  split = A.split_heads(rows, st.kappa.shape[1]).astype(jnp.float32)                  # [B, C, K, G, H]
+  b, c, k, g, h = split.shape
+  return st.replace(spec_q=jnp.swapaxes(split, 1, 2).reshape(b, k, c * g, h))
 
 
 def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):

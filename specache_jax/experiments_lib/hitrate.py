@@ -82,9 +82,10 @@ def write_outputs(config, store, labels, command, seconds) -> str:
                            "query drift (after hit / miss)", "sync fetches", "decoded tokens", "seconds"], rows)
   notes = [f"Model `{config.model}`; {config.num_prompts} prompt(s) of {config.context_tokens} tokens of "
            f"`{config.corpus}`; {config.max_new_tokens} greedy tokens each (no stop token).",
-           "Exact-token hit: the speculative token equals the real next token. Top-k hit: the share of the "
-           "real token's exact top-k positions (16-bit attention, averaged over each GQA group) that the "
-           "speculative fetch set κ contained, averaged over steps, rows, KV heads (per layer in hitrate.png).",
+           "Exact-token hit: the speculative token (with several candidates: one of them) equals the real next "
+           "token. Top-k hit: the share of the real token's exact top-k positions (16-bit attention, averaged "
+           "over each GQA group) that the speculative fetch set κ contained, averaged over steps, rows, KV heads "
+           "(per layer in hitrate.png).",
            "Unfetched mass: the real token's exact attention on the positions its step read low-bit only (below "
            "the 16-bit ring, not in κ). Query drift: 1 - cosine between the real query and the speculative "
            "query that chose κ (same position). 'after hit / miss': steps whose κ was chosen by a right / "

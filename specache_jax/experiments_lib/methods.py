@@ -115,4 +115,8 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
       "specache_1bit_robust": dict(base, preset="robust"),                       # skip_ring + hedge 16 shifted + drift 0.1
+      "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
+      "specache_1bit_cand3": dict(base, candidates=3),
+      "specache_1bit_cand2mean": dict(base, candidates=2, candidate_merge="mean"),
+      "specache_1bit_cand2drift10": dict(base, candidates=2, drift=0.1),   # drift: the nearer candidate
   }

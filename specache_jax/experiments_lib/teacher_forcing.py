@@ -62,15 +62,15 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
     cache, inp = carry
     tok_B, target_B = xs
     inp = inp.at[:, 0].set(tok_B)                                 # the real row is always the true token
-    if spec_row == "text" and method.decode_width == 2:
+    if spec_row == "text" and method.decode_width > 1:       # the first guess is the true next token
       inp = inp.at[:, 1].set(target_B)
     logits, cache, _ = decoder.forward(layer_params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
     _, _, missed = decode.speculation(method, inp, target_B, every_row)
-    if method.decode_width == 2:             # as the decode loop: tell the method when its guess missed
+    if method.decode_width > 1:              # as the decode loop: tell the method when its guess missed
       cache = decode.observe_speculation(method, cache, missed)
-    hit = (~missed).astype(jnp.int32) if method.decode_width == 2 else jnp.zeros((b,), jnp.int32)
-    return (cache, decode.next_input(method, target_B, logits)), (nll, hit)
+    hit = (~missed).astype(jnp.int32) if method.decode_width > 1 else jnp.zeros((b,), jnp.int32)
+    return (cache, decode.next_input(method, inp, target_B, logits)), (nll, hit)
 
   xs = (jnp.swapaxes(tokens_BT[:, prefix:t - 1], 0, 1), jnp.swapaxes(tokens_BT[:, prefix + 1:], 0, 1))
   _, (nll_TB, hit_TB) = jax.lax.scan(step, (cache, inp), xs)

@@ -28,21 +28,27 @@ PHASES = ("prefill", "decode", "predecode")
 ROW_CHUNK = 1024   # rows (batch x positions) per piece of a long prompt's per-row work (projections, MLP)
 
 
-def positions_for(phase: str, lengths_B, t: int):
-  """[B, T] positions of the new rows: a prompt starts at 0; decoding rows follow the stored tokens."""
-  offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+def positions_for(phase: str, lengths_B, t: int, offsets=None):
+  """[B, T] positions of the new rows: a prompt starts at 0; decoding rows follow the stored tokens, at
+  `offsets` from them (the method's `row_offsets`; default consecutive)."""
+  offsets = jnp.asarray(tuple(range(t)) if offsets is None else offsets, jnp.int32)[None, :]
   if phase == "prefill":
     return jnp.broadcast_to(offsets, (lengths_B.shape[0], t))
   return lengths_B[:, None].astype(jnp.int32) + offsets
 
 
-def rope_for(cfg: ModelConfig, phase: str, lengths_B, t: int):
+def rope_for(cfg: ModelConfig, phase: str, lengths_B, t: int, offsets=None):
   """RoPE tables (cos, sin) [B, T, 1, H] of the new rows, computed once per forward and shared by the layers.
 
   Behind a `fusion_barrier`: otherwise XLA:CPU fuses cos/sin into every consumer of a rotated query and
   recomputed them per element of the low-bit scores' [B, K, M, P, H] query·scale product (measured: SpeCache
   1-bit at 8k spent ~0.5 ms per layer there, ~16 ms of an ~80 ms step)."""
-  return fusion_barrier(rope_tables(positions_for(phase, lengths_B, t), cfg), jnp.all(lengths_B >= 0))
+  return fusion_barrier(rope_tables(positions_for(phase, lengths_B, t, offsets), cfg), jnp.all(lengths_B >= 0))
+
+
+def row_offsets(method: CacheConfig | None, phase: str, t: int):
+  """The new rows' position offsets for `rope_for`: the method's in decoding and pre-decoding, else consecutive."""
+  return None if method is None or phase == "prefill" else method.row_offsets(t)
 
 
 def qkv(cfg: ModelConfig, lp, h_BTD, rope):
@@ -119,7 +125,7 @@ def cache_attention(cfg: ModelConfig, method: CacheConfig | None, st, q, k, v, l
 
 def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str, rope):
   """One decoder layer. lengths: the prompt lengths (prefill) or tokens already stored (decode/predecode);
-  rope: `rope_for(cfg, phase, lengths, T)`.
+  rope: `rope_for(cfg, phase, lengths, T, row_offsets(method, phase, T))`.
 
   Returns (x [B,T,D], new per-layer state, aux dict)."""
   q, k, v = attention_inputs(cfg, lp, x_BTD, rope)
@@ -197,7 +203,7 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
   else:
     lengths = cache.lengths
   x = embed(params, tokens_BT)
-  rope = rope_for(cfg, phase, lengths, t)
+  rope = rope_for(cfg, phase, lengths, t, row_offsets(method, phase, t))
 
   if cache is not None and is_per_layer(cache.layers):
     lps = unstack_layers(params["layers"], cfg.n_layers)
