@@ -299,13 +299,26 @@ def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, 
   return out, jnp.mean(p_low, axis=2), jnp.mean(p_extra, axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block"))
+def check_prob_rows(prob_rows, t: int) -> int:
+  """The rows whose probabilities come back: None (the last row's, [B, K, S]) or an int P in [1, T] (the last P
+  rows', [B, K, P, S]; the XLA:CPU kernel and the reference) -> P."""
+  if prob_rows is None:
+    return 1
+  if isinstance(prob_rows, bool) or not isinstance(prob_rows, int) or not 1 <= prob_rows <= t:
+    raise ValueError(f"prob_rows={prob_rows!r} must be None or an int in [1, T={t}] (the last rows whose "
+                     "probabilities are returned)")
+  return prob_rows
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block", "prob_rows"))
 def mixed_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len,
                                      exclude, extra_k, extra_v, extra_mask, *, bits: int, group_size: int,
                                      sm_scale: float, interpret: bool = False,
-                                     block: MixedAttentionBlock | None = None):
-  """float32 jnp reference with the kernel's signature (`interpret` and `block` are ignored)."""
+                                     block: MixedAttentionBlock | None = None, prob_rows: int | None = None):
+  """float32 jnp reference with the kernel's signature (`interpret` and `block` are ignored); `prob_rows` as the
+  XLA:CPU kernel's (`check_prob_rows`)."""
   del interpret, block
+  p_rows = check_prob_rows(prob_rows, q.shape[1])
   b, t, n, h = q.shape
   kh, s = k_codes.shape[1], k_codes.shape[2]
   g = n // kh
@@ -333,5 +346,7 @@ def mixed_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_sca
   probs = p / jnp.where(denom > 0, denom, 1.0)
   values = jnp.concatenate([v_hat, ev], axis=2)                                   # [B, K, S+E, H]
   out = jnp.einsum("bkgtc,bkch->btkgh", probs, values, precision=hi).reshape(b, t, n, h)
-  last = jnp.mean(probs[:, :, :, t - 1, :], axis=2)                               # [B, K, S+E]
+  last = jnp.mean(probs[:, :, :, t - p_rows:, :], axis=2)                         # [B, K, P, S+E]
+  if prob_rows is None:
+    last = last[:, :, 0]
   return out.astype(q.dtype), last[..., :s], last[..., s:]

@@ -23,8 +23,8 @@ needs_kernel = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels {ck.s
 LAYOUTS = [(1, 64, 64), (1, 128, 32), (1, 32, 16), (1, 64, 4), (2, 16, 8), (2, 64, 64), (4, 32, 32), (8, 64, 16)]
 
 
-def _compare(args, bits, group_size, sm_scale=0.3):
-  kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale)
+def _compare(args, bits, group_size, sm_scale=0.3, **extra):
+  kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, **extra)
   got = jax.jit(functools.partial(cka.mixed_decode_attention, **kw))(*args)
   want = mixed_decode_attention_reference(*args, **kw)
   for name, g, w in zip(("out", "lowbit_probs", "extra_probs"), got, want):
@@ -45,6 +45,22 @@ def test_kernel_matches_reference(bits, head_dim, group_size, t):
   args = testing.mixed_inputs(seed, batch=3, t=t, kv_heads=2, gqa=3, slots=slots, head_dim=head_dim, bits=bits,
                               group_size=group_size, lengths=[slots - 5, 1031, 17], n_exclude=9, n_extra=21)
   _compare(args, bits, group_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,prob_rows", [(1, 2), (1, 3), (2, 1), (4, 2)])
+def test_kernel_returns_the_last_rows_probabilities(bits, prob_rows):
+  """prob_rows=P: each of the last P rows' probabilities ([B, K, P, S] and [B, K, P, E]) as the reference's; the
+  last of them is what prob_rows=None returns. T = 3 (SpeCache's real row and two candidates)."""
+  args = testing.mixed_inputs(40 + bits + prob_rows, batch=2, t=3, kv_heads=2, gqa=3, slots=1500, head_dim=64,
+                              bits=bits, group_size=64, lengths=[1500, 611], n_exclude=7, n_extra=12)
+  out, p_low, p_extra = _compare(args, bits, 64, prob_rows=prob_rows)
+  assert p_low.shape == (2, 2, prob_rows, 1500) and p_extra.shape == (2, 2, prob_rows, 12)
+  _, last_low, last_extra = _compare(args, bits, 64)
+  np.testing.assert_array_equal(np.asarray(p_low[:, :, -1]), np.asarray(last_low))
+  np.testing.assert_array_equal(np.asarray(p_extra[:, :, -1]), np.asarray(last_extra))
+  with pytest.raises(ValueError, match=r"prob_rows=4 must be None or an int in \[1, T=3\]"):
+    cka.mixed_decode_attention(*args, bits=bits, group_size=64, sm_scale=0.3, prob_rows=4)
 
 
 @needs_kernel
@@ -95,14 +111,18 @@ def _kernel_off():
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2), ("full", None)])
+@pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2), ("full", None),
+                                       ("candidates", 1), ("hedge", 1)])
 def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
-  """A decoding step (two sequences, ragged; SpeCache simulated, KIVI: the mixed kernel; the full cache: the dense
-  one) with the kernel and with the jnp ops: the same logits and cache (SpeCache's κ included); lowered for a GPU
-  the kernel is not emitted."""
+  """A decoding step (two sequences, ragged; SpeCache simulated — faithful, two candidates + hedge, hedge: the
+  kernel gives several rows' probabilities —, KIVI: the mixed kernel; the full cache: the dense one) with the
+  kernel and with the jnp ops: the same logits and cache (SpeCache's κ included); lowered for a GPU the kernel is
+  not emitted."""
   model = tiny_model(seed=8, head_dim=32)
   cfg = model.config
   method = {"specache": lambda: _specache(bits=bits), "full": lambda: sj.cache_config("full"),
+            "candidates": lambda: _specache(bits=bits, candidates=2, hedge=2),
+            "hedge": lambda: _specache(bits=bits, hedge=3, hedge_shift=1),
             "kivi": lambda: sj.cache_config("kivi", bits=bits, group_size=16, residual=16)}[name]()
   target = ck.DENSE_TARGET if name == "full" else ck.ATTENTION_TARGET
   prompts = random_prompts(2, [70, 45], cfg.vocab_size)
@@ -112,7 +132,7 @@ def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
                                     jnp.asarray([70, 45], jnp.int32))
   if method.uses_predecode:
     _, cache, _ = decoder.forward_jit(model.params, cfg, jnp.asarray([[3], [4]]), cache, method, "predecode")
-  step = jnp.asarray([[3, 7], [4, 1]], jnp.int32)[:, :method.decode_width]
+  step = jnp.asarray([[3, 7, 2], [4, 1, 9]], jnp.int32)[:, :method.decode_width]
 
   def run(x, c):
     return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]

@@ -74,7 +74,7 @@ class SpeCacheConfig(CacheConfig):
   # Robust speculation (project extensions, each off by default and composable; the faithful method is the default):
   skip_ring: bool = False       # κ candidates exclude positions the attend that uses κ reads in 16-bit anyway (ring)
   hedge: int = 0                # of the k rows of κ_{t+1}, this many are the real row's top-k, the rest the
-                                # speculative row's (same bytes moved; jnp attention only)
+                                # speculative row's (same bytes moved; attention_impl "jnp": XLA or the CPU kernel)
   hedge_shift: int = 0          # the real row's picks are the positions this far after its top ones (1: where
                                 # copying heads look next)
   drift: float = 0.0            # > 0: per layer, a KV head whose real query moved more than this (1 - cosine,
@@ -84,7 +84,7 @@ class SpeCacheConfig(CacheConfig):
   candidates: int = 1           # speculative rows per step: the `candidates` likeliest next tokens (the top
                                 # guesses of the row whose guess was right), each at position n+1 beside the real
                                 # row; κ_{t+1} is the top-k of their probabilities merged per position by
-                                # `candidate_merge` (same bytes moved, more rows computed; jnp attention for > 1)
+                                # `candidate_merge` (same bytes moved, more rows computed; attention_impl "jnp" for > 1)
   candidate_merge: str = "max"  # max | mean over the candidates' group-averaged probabilities
 
   def __post_init__(self):
@@ -308,8 +308,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
   probabilities per position averaged over each group, [B, K, len(rows), S] float32 (the new rows' columns land
-  at positions n .. n+T-1). The fused kernels give the last row's only: Pallas (attention_impl) and, for
-  attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows is the last row's.
+  at their positions n + `row_offsets`). The fused kernels: Pallas (attention_impl; the last row's only) and, for
+  attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the last
+  len(rows) rows in order.
 
   ring: (ring_k, ring_v) as they were before this step's row was stored (`attend` stores first, so the big
   buffers are written in place; the codes it wrote are at positions this attention masks); default st's."""
@@ -348,28 +349,30 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
 
-  def fused_attention(kernel):
-    """The Pallas kernel or the CPU kernel (the same contract: the last row's probabilities only)."""
-    if tuple(rows) != (-1,):
-      raise ValueError(f"{rows=}: the fused attention kernels return the last row's probabilities only")
+  def fused_attention(kernel, prob_rows=None):
+    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows')."""
+    if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
+      raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
     extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
                                kn_BKTH.astype(q.dtype)], axis=2)
     extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
                                vn_BKTH.astype(q.dtype)], axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
+    kw = {} if prob_rows is None else dict(prob_rows=prob_rows)
     out, p_low, p_extra = kernel(
         q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
         val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
-        sm_scale=sm_scale)
-    return out, p_low[:, :, None], p_extra[:, :, None]
+        sm_scale=sm_scale, **kw)
+    return (out, p_low[:, :, None], p_extra[:, :, None]) if prob_rows is None else (out, p_low, p_extra)
 
   if method.attention_impl != "jnp":
     out, probs_low, probs_extra = fused_attention(functools.partial(
         mixed_decode_attention, interpret=method.attention_impl == "pallas_interpret"))
   else:   # XLA:CPU: the fused kernel where it applies; a program lowered for another platform keeps the jnp ops
+    trailing = tuple(r % t for r in rows) == tuple(range(t - len(rows), t))      # the kernel's prob_rows
     out, probs_low, probs_extra = ck.on_cpu(
-        tuple(rows) == (-1,) and cpu_attention.applies(method.bits, method.group_size, h),
-        lambda: fused_attention(cpu_attention.mixed_decode_attention), jnp_attention)
+        trailing and cpu_attention.applies(method.bits, method.group_size, h),
+        lambda: fused_attention(cpu_attention.mixed_decode_attention, len(rows)), jnp_attention)
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

@@ -6,14 +6,14 @@
 //   - low-bit slots s < lowbit_len[b] not listed in exclude[b, k, :] (keys: b-bit codes with per-channel groups
 //     of g slots, q·k̂ = Σ_h q_h z_{p,h} + Σ_h (q_h s_{p,h}) code_{s,h}; values: per-token groups of g channels),
 //   - E extra 16-bit columns where extra_mask[b, k, t, e].
-// Returns every row's output, and the last row's (t = T-1) probabilities averaged over the G heads, split into
-// the low-bit part [S] (0 where not attended) and the extra part [E].
+// Returns every row's output, and for each of the last P rows (t = T-P .. T-1; P = prob_rows) its probabilities
+// averaged over the G heads, split into the low-bit part [P, S] (0 where not attended) and the extra part [P, E].
 //
 // Work items (b, k, chunk of kChunk slots) on the calling thread + XLA's intra-op pool (common.h), two phases:
 //   1. per item: logits of all M rows for the chunk's slots (16 slots at a time: a block's codes are unpacked
 //      once and scored for every row; 1-bit by nibble tables), the chunk's max and exp-sum per row, Σ p·v̂ over
 //      the chunk (each slot's codes read once per 16-channel block for every row; 1-bit by masked adds), and
-//      the last row's unnormalised probabilities.
+//      the last P rows' unnormalised probabilities.
 //   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities (run by the
 //      thread that finishes the head's last chunk).
 // Slots at or past lowbit_len are never read (their scales may be NaN); a row with every column masked gives
@@ -261,7 +261,7 @@ void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, co
 }
 
 struct Shapes {
-  int64_t b, k, m, t, hd, s, c_bytes, p_groups, v_groups, x, e, g, chunk, n_chunks;
+  int64_t b, k, m, t, hd, s, c_bytes, p_groups, v_groups, x, e, g, chunk, n_chunks, p;   // p: prob rows
 };
 
 // Phase 1 for one (b, k, chunk): see the file comment. L: scratch [M, stride].
@@ -276,11 +276,11 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   float* zs = c_sum + (bk * d.n_chunks + ci) * m;
   float* o = c_out + (bk * d.n_chunks + ci) * m * hd;
   std::fill(o, o + m * hd, 0.f);
-  float* lp = last_p + bk * n_rep * d.s;
+  float* lp = last_p + bk * d.p * n_rep * d.s;          // [P, G, S] of this (b, k)
   if (n == 0) {
     std::fill(mx, mx + m, kNegInf);
     std::fill(zs, zs + m, 0.f);
-    for (int64_t gi = 0; gi < n_rep; ++gi) std::fill(lp + gi * d.s + s0, lp + gi * d.s + s1, 0.f);
+    for (int64_t pg = 0; pg < d.p * n_rep; ++pg) std::fill(lp + pg * d.s + s0, lp + pg * d.s + s1, 0.f);
     return;
   }
   const int64_t n16 = (n + 15) / 16 * 16;
@@ -393,11 +393,14 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
       for (int64_t h = qg * d.g; h < (qg + 1) * d.g; ++h) o[r * hd + h] += total;
     }
   }
-  // the last row's unnormalised probabilities (phase 2 scales them)
-  for (int64_t gi = 0; gi < n_rep; ++gi) {
-    const float* l = logits + (gi * d.t + d.t - 1) * stride;
-    std::copy(l, l + n, lp + gi * d.s + s0);
-    std::fill(lp + gi * d.s + s0 + n, lp + gi * d.s + s1, 0.f);
+  // the last P rows' unnormalised probabilities (phase 2 scales them)
+  for (int64_t pi = 0; pi < d.p; ++pi) {
+    for (int64_t gi = 0; gi < n_rep; ++gi) {
+      const float* l = logits + (gi * d.t + d.t - d.p + pi) * stride;
+      float* dst = lp + (pi * n_rep + gi) * d.s;
+      std::copy(l, l + n, dst + s0);
+      std::fill(dst + s0 + n, dst + s1, 0.f);
+    }
   }
 }
 
@@ -409,7 +412,7 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
   const int64_t m = d.m, hd = d.hd, e = d.e, nc = d.n_chunks, n_rep = d.m / d.t, nv = hd / 16;
   const int64_t e16 = (e + 15) / 16 * 16;
   const float* qb = q + bk * m * hd;
-  std::vector<float> le(e16), fac(nc * n_rep, 0.f), pe(e, 0.f);
+  std::vector<float> le(e16), fac(nc * d.p * n_rep, 0.f), pe(d.p * e, 0.f);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t t = r % d.t;
     const uint8_t* mrow = emask + (bk * d.t + t) * e;
@@ -450,30 +453,33 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
     }
     const float inv = 1.f / z;
     for (int64_t i = 0; i < nv; ++i) Store(orow + 16 * i, acc[i] * inv);
-    if (t == d.t - 1) {                                  // the last row of head g = r / T
-      const int64_t gi = r / d.t;
+    if (t >= d.t - d.p) {                                // prob row pi of head g = r / T
+      const int64_t gi = r / d.t, pi = t - (d.t - d.p);
       for (int64_t c = 0; c < nc; ++c) {
         const float cm = c_max[(bk * nc + c) * m + r];
-        fac[c * n_rep + gi] = cm == kNegInf ? 0.f : std::exp(cm - row_max) * inv / n_rep;
+        fac[(c * d.p + pi) * n_rep + gi] = cm == kNegInf ? 0.f : std::exp(cm - row_max) * inv / n_rep;
       }
-      for (int64_t j = 0; j < e; ++j) pe[j] += le[j] * inv / n_rep;
+      for (int64_t j = 0; j < e; ++j) pe[pi * e + j] += le[j] * inv / n_rep;
     }
   }
-  for (int64_t j = 0; j < e; ++j) p_extra[bk * e + j] = pe[j];
-  float* dst = p_low + bk * d.s;
-  const float* lp = last_p + bk * n_rep * d.s;
-  for (int64_t c = 0; c < nc; ++c) {
-    const int64_t s0 = c * d.chunk, s1 = std::min(d.s, s0 + d.chunk);
-    int64_t s = s0;
-    for (; s + 16 <= s1; s += 16) {
-      V acc = V{};
-      for (int64_t gi = 0; gi < n_rep; ++gi) acc += Load(lp + gi * d.s + s) * fac[c * n_rep + gi];
-      Store(dst + s, acc);
-    }
-    for (; s < s1; ++s) {
-      float acc = 0.f;
-      for (int64_t gi = 0; gi < n_rep; ++gi) acc += lp[gi * d.s + s] * fac[c * n_rep + gi];
-      dst[s] = acc;
+  std::copy(pe.begin(), pe.end(), p_extra + bk * d.p * e);
+  for (int64_t pi = 0; pi < d.p; ++pi) {
+    float* dst = p_low + (bk * d.p + pi) * d.s;
+    const float* lp = last_p + (bk * d.p + pi) * n_rep * d.s;
+    for (int64_t c = 0; c < nc; ++c) {
+      const int64_t s0 = c * d.chunk, s1 = std::min(d.s, s0 + d.chunk);
+      const float* f = fac.data() + (c * d.p + pi) * n_rep;
+      int64_t s = s0;
+      for (; s + 16 <= s1; s += 16) {
+        V acc = V{};
+        for (int64_t gi = 0; gi < n_rep; ++gi) acc += Load(lp + gi * d.s + s) * f[gi];
+        Store(dst + s, acc);
+      }
+      for (; s < s1; ++s) {
+        float acc = 0.f;
+        for (int64_t gi = 0; gi < n_rep; ++gi) acc += lp[gi * d.s + s] * f[gi];
+        dst[s] = acc;
+      }
     }
   }
 }
@@ -481,7 +487,8 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
 #define CHECK_ARG(cond, msg) \
   if (!(cond)) return ffi::Error::InvalidArgument(std::string("mixed_decode_attention: ") + msg)
 
-ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t_rows, ffi::Buffer<ffi::F32> q,
+ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t_rows, int64_t prob_rows,
+               ffi::Buffer<ffi::F32> q,
                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> k_zero,
                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> v_zero,
                ffi::Buffer<ffi::S32> lowbit_len, ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::F32> extra_k,
@@ -492,8 +499,10 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   CHECK_ARG(qd.size() == 4 && kd.size() == 4 && sd.size() == 4 && vd.size() == 4 && xd.size() == 3 &&
                 ed.size() == 4, "ranks");
   CHECK_ARG(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
-  Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], ed[2], group_size, 0, 0};
+  Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], ed[2], group_size, 0, 0,
+           prob_rows};
   CHECK_ARG(d.t >= 1 && d.m % d.t == 0, "rows M must be G·T");
+  CHECK_ARG(d.p >= 1 && d.p <= d.t, "prob_rows must be in [1, T]");
   CHECK_ARG(d.hd == 16 || d.hd == 32 || d.hd == 64 || d.hd == 128, "head_dim must be 16, 32, 64 or 128");
   CHECK_ARG(d.c_bytes * 8 == d.hd * bits && d.c_bytes % 4 == 0, "code bytes C must be H·b/8, a multiple of 4");
   CHECK_ARG(d.g >= 1 && d.hd % d.g == 0 && d.v_groups * d.g == d.hd, "value groups must be H/g");
@@ -504,7 +513,7 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   // Scratch, reused across calls by the calling thread (no page faults of fresh large allocations per call).
   thread_local std::vector<float> scratch;
   const int64_t n_max = n_bk * d.n_chunks * d.m;
-  const size_t need = 2 * n_max + n_max * d.hd + n_bk * n_rep * d.s;
+  const size_t need = 2 * n_max + n_max * d.hd + n_bk * d.p * n_rep * d.s;
   if (scratch.size() < need) scratch.resize(need);
   float* c_max = scratch.data();
   float* c_sum = c_max + n_max;
@@ -540,6 +549,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MixedDecodeAttention, Run,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("t_rows")
+                                  .Attr<int64_t>("prob_rows")
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q rows [B, K, M, H], scaled by sm_scale
                                   .Arg<ffi::Buffer<ffi::U8>>()    // k_codes [B, K, S, C]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_scale [B, K, P, H]
@@ -553,5 +563,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MixedDecodeAttention, Run,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // extra_v
                                   .Arg<ffi::Buffer<ffi::U8>>()    // extra_mask [B, K, T, E]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, K, M, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // last row's low-bit probabilities [B, K, S]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // last row's extra probabilities [B, K, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // last P rows' low-bit probabilities [B, K, P, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // last P rows' extra probabilities [B, K, P, E]

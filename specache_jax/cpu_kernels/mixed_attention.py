@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mixed_decode_attention import check_arrays
+from pallas_kernels.mixed_decode_attention import check_arrays, check_prob_rows
 from specache_jax import cpu_kernels as ck
 
 BITS = (1, 2, 4, 8)
@@ -48,17 +48,21 @@ def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, ex
 
 
 def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
-                           extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float):
-  """Mixed-precision decode attention (`pallas_kernels.mixed_decode_attention`'s contract and reference).
+                           extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float,
+                           prob_rows: int | None = None):
+  """Mixed-precision decode attention (`pallas_kernels.mixed_decode_attention`'s contract and reference, whose
+  `prob_rows` it shares).
 
   q: [B, T, N, H]; k_codes, v_codes: uint8 [B, K, S, C] (C = H·bits/8); k_scale, k_zero: [B, K, P, H]
   (P >= ceil(S/g)); v_scale, v_zero: [B, K, S, H/g]; lowbit_len: int [B]; exclude: int [B, K, X]
   (-1 = none); extra_k, extra_v: [B, K, E, H]; extra_mask: bool [B, K, T, E].
   Returns (out [B, T, N, H] in q.dtype, lowbit_probs f32 [B, K, S], extra_probs f32 [B, K, E]): the last row's
-  probabilities averaged over each KV head's G query heads. CPU backend only; on a CPU mesh the batch axis keeps
-  its sharding (everything else is gathered)."""
+  probabilities averaged over each KV head's G query heads; with prob_rows=P, those of each of the last P rows,
+  [B, K, P, S] and [B, K, P, E]. CPU backend only; on a CPU mesh the batch axis keeps its sharding (everything else
+  is gathered)."""
   _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k, extra_v, extra_mask,
          bits, group_size)
+  p = check_prob_rows(prob_rows, q.shape[1])
   if not ck.available():
     raise RuntimeError(f"mixed_decode_attention: CPU kernels {ck.status()}")
   b, t, n, h = q.shape
@@ -69,24 +73,26 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   args = (q_rows.reshape(b, kh, g * t, h), k_codes, k_scale.astype(f32), k_zero.astype(f32), v_codes,
           v_scale.astype(f32), v_zero.astype(f32), lowbit_len.astype(jnp.int32), exclude.astype(jnp.int32),
           extra_k.astype(f32), extra_v.astype(f32), extra_mask.astype(jnp.uint8))
-  out, p_low, p_extra = _batch_partitioned(bits, group_size, t)(*args)
+  out, p_low, p_extra = _batch_partitioned(bits, group_size, t, p)(*args)
   out = jnp.transpose(out.reshape(b, kh, g, t, h), (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+  if prob_rows is None:
+    p_low, p_extra = p_low[:, :, 0], p_extra[:, :, 0]
   return out.astype(q.dtype), p_low, p_extra
 
 
-def _call(bits: int, group_size: int, t: int, q_rows, k_codes, *rest):
+def _call(bits: int, group_size: int, t: int, p: int, q_rows, k_codes, *rest):
   b, kh, m, h = q_rows.shape
   s, e = k_codes.shape[2], rest[-3].shape[2]
-  outs = (jax.ShapeDtypeStruct((b, kh, m, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, s), jnp.float32),
-          jax.ShapeDtypeStruct((b, kh, e), jnp.float32))
+  outs = (jax.ShapeDtypeStruct((b, kh, m, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, p, s), jnp.float32),
+          jax.ShapeDtypeStruct((b, kh, p, e), jnp.float32))
   return tuple(jax.ffi.ffi_call(ck.ATTENTION_TARGET, outs, vmap_method="sequential")(
-      q_rows, k_codes, *rest, bits=bits, group_size=group_size, t_rows=t))
+      q_rows, k_codes, *rest, bits=bits, group_size=group_size, t_rows=t, prob_rows=p))
 
 
 @functools.cache
-def _batch_partitioned(bits: int, group_size: int, t: int):
+def _batch_partitioned(bits: int, group_size: int, t: int, p: int):
   """The custom call for the SPMD partitioner: the batch axis keeps its sharding (`cpu_kernels.batch_partitioned`)."""
   rule = ("b k m h, b k s c, b k p h, b k p h, b k s c, b k s v, b k s v, b, b k x, b k e h, b k e h, b k t e "
-          "-> b k m h, b k s, b k e")
-  return ck.batch_partitioned(functools.partial(_call, bits, group_size, t), rule, 3,
-                              ("k", "m", "h", "s", "c", "p", "v", "x", "e", "t"))
+          "-> b k m h, b k r s, b k r e")
+  return ck.batch_partitioned(functools.partial(_call, bits, group_size, t, p), rule, 3,
+                              ("k", "m", "h", "s", "c", "p", "v", "x", "e", "t", "r"))
