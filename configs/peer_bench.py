@@ -5,15 +5,19 @@ Run (from the repository root):
   python -m experiments.peer_bench --config=configs/peer_bench.py          # "cpu": SmolLM2-135M fp32, this CPU
   python -m experiments.peer_bench --config=configs/peer_bench.py:gpu      # Llama-3.2-1B shape, bf16, one GPU
   python -m experiments.peer_bench --config=configs/peer_bench.py:test     # tiny random model, seconds
+  python -m experiments.peer_bench --config=configs/peer_bench.py:robust   # SpeCache 1-bit's robust-speculation
+                                       # variants offloaded: step time at 4k, B=1 (results/speculation/steps_cpu)
 """
 import ml_collections
+
+from specache_jax.experiments_lib import methods as exp_methods
 
 SPECACHE = dict(name="specache", group_size=64, residual=64, topk=64)   # the paper's settings
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
-  if arg not in ("cpu", "gpu", "test"):
-    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
+  if arg not in ("cpu", "gpu", "test", "robust"):
+    raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test, robust")
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype (SmolLM2: float32); the peer uses the same
@@ -84,6 +88,25 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.max_seconds = 1800
     c.out = "results/peer_gpu"
     c.plot = "results/scaling_gpu.png"
+  elif arg == "robust":
+    # every robust-speculation label offloaded (its critical-path fetches included) beside the faithful one and
+    # the full cache; exact_on_miss is left out: the benchmark's greedy driver does not report misses to the
+    # runtime, so it would time the faithful step
+    robust = {f"{k}_offload": dict(v, offload=True) for k, v in exp_methods.robust().items()
+              if k != "specache_1bit_eom"}
+    c.methods = dict(full=dict(name="full"), specache_1bit_offload=dict(SPECACHE, bits=1, offload=True), **robust)
+    c.run_methods = ",".join(c.methods)
+    c.run_peers = "hf_dynamic"
+    c.contexts = (4096,)
+    c.batches = (1,)
+    c.scaling.enabled = False
+    c.targets.contexts = (4096,)
+    c.targets.context = 4096
+    c.targets.short_context = 4096
+    c.targets.spec1 = "specache_1bit_offload"
+    c.targets.fast = ""
+    c.out = "results/speculation/steps_cpu"
+    c.plot = ""
   elif arg == "test":
     c.model = "random:tiny"         # bench/models.py SHAPES["tiny"]: head_dim 16
     c.hf_weights = "params"         # the peer built from the same random weights
