@@ -97,20 +97,23 @@ def write_outputs(config, store, labels, command, seconds) -> str:
   plt = report.pyplot()
   panels = (("topk_hit_rate", "top-k hit rate"), ("unfetched_mass", "unfetched attention mass"),
             ("drift", "query drift (1 - cos)"))
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  rows = -(-len(recs) // 4)                             # legend rows under the panels, 4 methods each
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4 + 0.25 * rows))
+  colors = plt.get_cmap("tab20" if len(recs) > 10 else "tab10")
   for ax, (key, title) in zip(axes, panels):
     for i, r in enumerate(recs):
-      color = f"C{i}"
       for part, style in (("on_hit", "-"), ("on_miss", "--")):
         ys = r.get(f"{key}_{part}_per_layer", [])
         if ys:
-          ax.plot(range(len(ys)), ys, style, color=color, marker="o", ms=2,
-                  label=f"{r['method']} ({part.replace('on_', 'after ')})")
+          ax.plot(range(len(ys)), ys, style, color=colors(i), marker="o", ms=2,
+                  label=r["method"] if ax is axes[0] and part == "on_hit" else None)
     ax.set_xlabel("layer")
     ax.set_title(title)
   axes[0].set_ylim(0, 1.02)
-  axes[0].legend(fontsize=7)
-  fig.tight_layout()
+  axes[0].plot([], [], "k-", label="after a right guess")
+  axes[0].plot([], [], "k--", label="after a wrong guess")
+  fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))
   fig.savefig(out_dir / "hitrate.png", dpi=120)
   plt.close(fig)
   return table
