@@ -100,6 +100,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.contexts = (4096,)
     c.batches = (1,)
     c.scaling.enabled = False
+    c.scaling.run_methods = "full"
     c.targets.contexts = (4096,)
     c.targets.context = 4096
     c.targets.short_context = 4096

@@ -17,6 +17,7 @@ from configs import peer_bench as peer_cfg
 from specache_jax.bench import machine, peer
 from specache_jax.bench import models as bench_models
 from specache_jax.caches.budget import device_bytes_at
+from specache_jax.experiments_lib import methods as exp_methods
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -80,12 +81,16 @@ def test_machine_limits_are_measured():
   assert m["read_bandwidth"]["best_Bps"] == max(m["read_bandwidth"][k] for k in m["read_bandwidth"]["best_of"])
 
 
-def test_configs_have_cpu_gpu_and_test_variants():
-  for arg in ("cpu", "gpu", "test"):
+def test_configs_have_cpu_gpu_test_and_robust_variants():
+  for arg in ("cpu", "gpu", "test", "robust"):
     c = peer_cfg.get_config(arg)
     assert c.reference in c.peers
     assert set(peer._labels(c.scaling.run_methods)) <= set(c.methods)
-  with pytest.raises(ValueError, match="must be one of cpu, gpu, test"):
+  robust = peer_cfg.get_config("robust")
+  built = {label: exp_methods.build(robust, label, None, 4096, "float32") for label in exp_methods.labels(robust)}
+  assert all(m.offload for label, m in built.items() if label != "full")
+  assert built["specache_1bit_cand2_offload"].candidates == 2 and "specache_1bit_eom_offload" not in built
+  with pytest.raises(ValueError, match="must be one of cpu, gpu, test, robust"):
     peer_cfg.get_config("tpu")
 
 
