@@ -119,4 +119,6 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_cand3": dict(base, candidates=3),
       "specache_1bit_cand2mean": dict(base, candidates=2, candidate_merge="mean"),
       "specache_1bit_cand2drift10": dict(base, candidates=2, drift=0.1),   # drift: the nearer candidate
+      "specache_1bit_cand2eom": dict(base, candidates=2, exact_on_miss=True),  # refetch only if both missed
+      "specache_1bit_cand3eom": dict(base, candidates=3, exact_on_miss=True),
   }
