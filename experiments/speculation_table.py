@@ -1,0 +1,36 @@
+"""Issue 14's ablation table of SpeCache 1-bit's robust-speculation variants, joined from the stores the hit-rate,
+NIAH, RULER and offloaded-step experiments wrote (`experiments_lib/speculation.py`; nothing is recomputed).
+
+  python -m experiments.speculation_table          # results/speculation/summary.md + table.json
+"""
+import json
+import pathlib
+import sys
+
+from absl import app, flags
+
+from specache_jax.experiments_lib import speculation
+
+_HITRATE = flags.DEFINE_string("hitrate", "results/speculation/hitrate/results.json", "experiments.hitrate store")
+_NIAH = flags.DEFINE_string("niah", "results/speculation/niah/results.json", "experiments.niah store (the grid)")
+_RULER = flags.DEFINE_string("ruler", "results/ruler_robust/results.json", "experiments.ruler store")
+_STEPS = flags.DEFINE_string("steps", "results/speculation/steps_cpu.json", "peer_bench.py:robust's JSON")
+_OUT = flags.DEFINE_string("out", "results/speculation", "writes summary.md and table.json here")
+
+
+def main(argv):
+  del argv
+  rows, md = speculation.table(_HITRATE.value, _NIAH.value, _RULER.value, _STEPS.value)
+  out = pathlib.Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  command = "python -m experiments.speculation_table " + " ".join(sys.argv[1:])
+  sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}` (each written by "
+             "its experiment; its own summary.md gives the command).")
+  (out / "summary.md").write_text(f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n{command}\n```"
+                                  f"\n\n{sources}\n\n{md}")
+  (out / "table.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=list) + "\n")
+  print(md)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,133 @@
+"""Issue 14's one ablation table for SpeCache 1-bit's robust-speculation variants, joined from the stores the
+experiments wrote (nothing is recomputed):
+
+  hit rates, synchronous fetches   experiments.hitrate      (results/speculation/hitrate/results.json)
+  NIAH grid                        experiments.niah         (results/speculation/niah/results.json)
+  RULER CPU suite                  experiments.ruler        (results/ruler_robust/results.json)
+  offloaded step time              experiments.peer_bench   (configs/peer_bench.py:robust -> steps_cpu.json)
+  device bytes                     the method's state shapes (`budget.device_bytes_at`, bf16, SmolLM2's shape)
+
+and checked against the issue's "done when": device bytes <= 0.12x the full cache's (bf16, 8k), synchronous
+fetches <= 10% of layer-steps, >= 90% of the NIAH needles the full cache retrieves, >= 90% of its RULER average.
+A cell a store does not hold is '–' and its check is not met.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specache_jax.bench.models import SHAPES
+from specache_jax.caches import cache_config
+from specache_jax.caches.budget import device_bytes_at
+from specache_jax.experiments_lib import methods
+from specache_jax.model.config import ModelConfig
+
+FULL = "full"
+FAITHFUL = "specache_1bit"
+LIMITS = dict(bytes_vs_full=0.12, sync_fetch_rate=0.10, niah_vs_full=0.90, ruler_vs_full=0.90)
+
+
+def _cells(path: pathlib.Path) -> dict[str, dict]:
+  return json.loads(path.read_text())["cells"] if path.exists() else {}
+
+
+def hitrate_rows(path) -> dict[str, dict]:
+  return {c["method"]: c for c in _cells(pathlib.Path(path)).values()}
+
+
+def niah_rows(path) -> dict[str, dict]:
+  """label -> {cells: {cell: correct}} over the (length, depth) cells the store holds."""
+  out: dict[str, dict] = {}
+  for c in _cells(pathlib.Path(path)).values():
+    out.setdefault(c["method"], {})[(c["length"], c["depth"])] = bool(c["correct"])
+  return out
+
+
+def ruler_rows(path) -> dict[str, list[float]]:
+  """label -> every sample's score (0..1), as RULER's average takes them."""
+  out: dict[str, list[float]] = {}
+  for c in _cells(pathlib.Path(path)).values():
+    out.setdefault(c["method"], []).append(float(c["score"]))
+  return out
+
+
+def step_rows(path) -> dict[str, dict]:
+  """label (without `_offload`) -> its cell record (ms per step at the run's one context and batch)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return {}
+  cells = [c for c in json.loads(path.read_text())["cells"] if "methods" in c]
+  return {label.removesuffix("_offload"): dict(rec, context=c["context"], batch=c["batch"])
+          for c in cells for label, rec in c["methods"].items() if rec.get("step_s")}
+
+
+def device_ratio(label: str, specs: dict, context: int = 8192, shape: str = "smollm2-135m") -> float:
+  """The label's device bytes over the full cache's (bf16, one row of `context` tokens)."""
+  cfg = ModelConfig(**SHAPES[shape], name=shape)
+  spec = dict(specs[label])
+  at = lambda m: device_bytes_at(m, cfg, context, jnp.bfloat16)
+  return at(cache_config(spec.pop("name"), **spec)) / at(cache_config(FULL))
+
+
+def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], str]:
+  """(rows, markdown) for every SpeCache 1-bit label some store holds, the faithful one first."""
+  specs = dict(methods.standard(), **methods.robust())
+  hit, niah, ruler, steps = (hitrate_rows(hitrate_path), niah_rows(niah_path), ruler_rows(ruler_path),
+                             step_rows(steps_path))
+  labels = [l for l in specs if l.startswith(FAITHFUL) and (l in hit or l in niah or l in ruler or l in steps)]
+  full_niah = niah.get(FULL, {})
+  full_ruler = float(np.mean(ruler[FULL])) if ruler.get(FULL) else None
+  base_step = steps.get(FAITHFUL, {}).get("step_s")
+  rows = []
+  for label in labels:
+    r: dict[str, Any] = {"label": label, "bytes_vs_full": device_ratio(label, specs)}
+    if label in hit:
+      r["exact_hit"] = hit[label].get("exact_hit_rate")
+      r["topk_hit"] = hit[label].get("topk_hit_rate")
+      r["sync_fetch_rate"] = hit[label].get("sync_fetch_rate", 0.0)     # absent: never on the critical path
+    if label in niah:
+      both = [k for k, ok in full_niah.items() if ok and k in niah[label]]
+      r["niah"] = (sum(niah[label].values()), len(niah[label]))
+      r["niah_vs_full"] = sum(niah[label][k] for k in both) / len(both) if both else None
+    if ruler.get(label):
+      r["ruler"] = 100 * float(np.mean(ruler[label]))
+      r["ruler_vs_full"] = float(np.mean(ruler[label])) / full_ruler if full_ruler else None
+    if label in steps:
+      r["step_ms"] = 1e3 * steps[label]["step_s"]
+      r["step_vs_faithful"] = steps[label]["step_s"] / base_step if base_step else None
+    r["meets"] = all(r.get(k) is not None and (r[k] >= v if k.endswith("vs_full") and k != "bytes_vs_full"
+                                               else r[k] <= v) for k, v in LIMITS.items())
+    rows.append(r)
+  return rows, _markdown(rows, niah.get(FULL), full_ruler, steps.get(FULL), steps.get(FAITHFUL))
+
+
+def _fmt(v, spec: str) -> str:
+  return "–" if v is None else format(v, spec)
+
+
+COLUMNS = ("SpeCache 1-bit", "device bytes × full (bf16, 8k)", "exact-token hit", "top-k hit",
+           "sync fetches (layer, KV head)", "NIAH found", "NIAH × full's", "RULER avg", "RULER × full's",
+           "offloaded step ms ({context}, B={batch})", "× faithful", "meets the issue's bar")
+
+
+def _markdown(rows, full_niah, full_ruler, full_step, faithful_step) -> str:
+  ctx = faithful_step or full_step or {}
+  head = "| " + " | ".join(COLUMNS).format(context=ctx.get("context", "–"), batch=ctx.get("batch", "–")) + " |"
+  lines = [head, "|" + "---|" * len(COLUMNS)]
+  for r in rows:
+    cells = [r["label"], f"{r['bytes_vs_full']:.3f}", _fmt(r.get("exact_hit"), ".3f"), _fmt(r.get("topk_hit"), ".3f"),
+             _fmt(r.get("sync_fetch_rate"), ".1%"), f"{r['niah'][0]}/{r['niah'][1]}" if "niah" in r else "–",
+             _fmt(r.get("niah_vs_full"), ".0%"), _fmt(r.get("ruler"), ".1f"), _fmt(r.get("ruler_vs_full"), ".0%"),
+             _fmt(r.get("step_ms"), ".1f"), _fmt(r.get("step_vs_faithful"), ".2f"), "yes" if r["meets"] else "no"]
+    lines.append("| " + " | ".join(cells) + " |")
+  ref = [f"full cache: NIAH {sum(full_niah.values())}/{len(full_niah)}" if full_niah else "full cache: NIAH –",
+         f"RULER {_fmt(full_ruler and 100 * full_ruler, '.1f')}",
+         f"full-cache step {_fmt(full_step and 1e3 * full_step['step_s'], '.1f')} ms"]
+  bar = ("The bar (issue 14): device bytes ≤ {bytes_vs_full}× full, synchronous fetches ≤ {sync_fetch_rate:.0%} of "
+         "layer-steps (here: of (layer, KV head) fetches), NIAH ≥ {niah_vs_full:.0%} and RULER ≥ {ruler_vs_full:.0%} "
+         "of the full cache's.").format(**LIMITS)
+  return "\n".join(lines) + "\n\n" + "; ".join(ref) + ". " + bar + "\n"

@@ -1,0 +1,58 @@
+"""Issue 14's ablation table joins the experiments' stores (experiments_lib/speculation.py): its numbers are the
+stores' numbers, a missing store leaves '–' and the bar unmet, and the bar is checked as the issue states it."""
+import json
+
+import pytest
+
+from specache_jax.experiments_lib import speculation
+
+
+def _write(path, cells):
+  path.write_text(json.dumps({"meta": {}, "cells": cells}))
+  return path
+
+
+def _stores(tmp_path, eom_niah=(True, True, True, False), eom_ruler=(1.0, 0.0)):
+  hit = _write(tmp_path / "hit.json", {
+      "a": {"method": "specache_1bit", "exact_hit_rate": 0.6, "topk_hit_rate": 0.7},
+      "b": {"method": "specache_1bit_eom", "exact_hit_rate": 0.3, "topk_hit_rate": 0.68, "sync_fetch_rate": 0.08}})
+  cells = {}
+  for i, (full_ok, eom_ok) in enumerate(zip((True, True, True, False), eom_niah)):
+    cells[f"f{i}"] = {"method": "full", "length": 1024, "depth": i / 4, "correct": full_ok}
+    cells[f"e{i}"] = {"method": "specache_1bit_eom", "length": 1024, "depth": i / 4, "correct": eom_ok}
+  niah = _write(tmp_path / "niah.json", cells)
+  ruler = _write(tmp_path / "ruler.json", {
+      "f0": {"method": "full", "score": 1.0}, "f1": {"method": "full", "score": 0.0},
+      "e0": {"method": "specache_1bit_eom", "score": eom_ruler[0]},
+      "e1": {"method": "specache_1bit_eom", "score": eom_ruler[1]}})
+  steps = tmp_path / "steps.json"
+  steps.write_text(json.dumps({"cells": [{"context": 4096, "batch": 1, "methods": {
+      "full": {"step_s": 0.03}, "specache_1bit_offload": {"step_s": 0.04},
+      "specache_1bit_eom_offload": {"step_s": 0.05}}}]}))
+  return hit, niah, ruler, steps
+
+
+def test_table_joins_the_stores_and_checks_the_bar(tmp_path):
+  rows, md = speculation.table(*_stores(tmp_path))
+  by = {r["label"]: r for r in rows}
+  assert list(by) == ["specache_1bit", "specache_1bit_eom"]               # the faithful one first
+  eom = by["specache_1bit_eom"]
+  assert eom["niah"] == (3, 4) and eom["niah_vs_full"] == 1.0               # all 3 needles full retrieves
+  assert eom["ruler"] == pytest.approx(50.0) and eom["ruler_vs_full"] == pytest.approx(1.0)
+  assert eom["step_ms"] == pytest.approx(50.0) and eom["step_vs_faithful"] == pytest.approx(1.25)
+  assert eom["sync_fetch_rate"] == 0.08 and 0.05 < eom["bytes_vs_full"] < 0.12 and eom["meets"]
+  faithful = by["specache_1bit"]
+  assert faithful["sync_fetch_rate"] == 0.0 and "niah" not in faithful and not faithful["meets"]   # no NIAH cells
+  assert "| specache_1bit | " in md and "| – | – |" in md and "full cache: NIAH 3/4" in md
+
+
+@pytest.mark.parametrize("niah, ruler", [((True, True, False, False), (1.0, 0.0)),    # 2 of full's 3 needles
+                                         ((True, True, True, True), (0.5, 0.3))])     # RULER 80% of full's
+def test_the_bar_is_not_met_below_90_percent_of_the_full_cache(tmp_path, niah, ruler):
+  rows, _ = speculation.table(*_stores(tmp_path, niah, ruler))
+  assert not {r["label"]: r for r in rows}["specache_1bit_eom"]["meets"]
+
+
+def test_missing_stores_give_no_rows(tmp_path):
+  rows, md = speculation.table(*(tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json")))
+  assert rows == [] and md.startswith("| SpeCache 1-bit |")
