@@ -254,3 +254,21 @@ def test_drift_with_candidates_measures_the_nearest_candidate():
 
 def _blank_state(method, cfg):
   return jax.tree.map(lambda a: a[0], method.impl.init(method, cfg, 1, 64, jnp.float32))
+
+
+# Greedy tokens of the default (faithful) SpeCache 1-bit on this tiny model, recorded at e100108 — before the decode
+# protocol learned several speculative rows (candidates): the default configuration's tokens must not change.
+FAITHFUL_TOKENS = [[55, 51, 2, 29, 74, 10, 95, 95, 2, 73, 86, 59], [49, 7, 71, 21, 39, 54, 70, 40, 35, 50, 9, 9],
+                   [7, 20, 82, 24, 55, 50, 40, 48, 33, 60, 37, 7]]
+EOM_TOKENS = [[55, 51, 2, 31, 35, 9, 55, 75, 9, 55, 10, 77], [49, 7, 71, 19, 9, 54, 46, 37, 54, 54, 17, 84],
+              [7, 20, 7, 31, 38, 77, 40, 94, 9, 5, 92, 31]]
+
+
+@pytest.mark.parametrize("settings, want", [(dict(), FAITHFUL_TOKENS), (dict(offload=True), FAITHFUL_TOKENS),
+                                            (dict(exact_on_miss=True), EOM_TOKENS)])
+def test_default_configuration_tokens_are_unchanged(settings, want):
+  model = _model()
+  prompts = random_prompts(5, [20, 31, 26], model.config.vocab_size)
+  out = sj.generate(model, prompts, max_new_tokens=12, stop_tokens=(),
+                    cache=sj.cache_config("specache", topk=3, **BASE, **settings))
+  np.testing.assert_array_equal(np.asarray(out.tokens), want)
