@@ -188,7 +188,7 @@ class State:
   kappa: jax.Array         # [B, K, X] int32 positions to use in 16-bit at the next attend
   fetched_k: jax.Array     # [B, K, X, H] the 16-bit rows at kappa (device)
   fetched_v: jax.Array     # [B, K, X, H]
-  miss: jax.Array          # [B] bool: the speculative token for this step's real token was wrong
+  miss: jax.Array          # [B] bool: every speculative guess of this step's real token was wrong
   spec_q: jax.Array        # [B, K, C·G, H] float32 the queries that chose κ, candidate-major (drift,
                            # track_hits; else [B, K, C·G, 0])
 
