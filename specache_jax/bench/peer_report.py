@@ -61,8 +61,8 @@ def markdown(result: dict, plot_name: str = "") -> str:
            "(< 1 faster)",
            "- bytes/step = weights + the cache the method attends at the cell's context (from shapes); × floor = "
            "step time ÷ (bytes/step ÷ read bandwidth); compute floor = the step's FLOPs (every weight product for "
-           "each query row — SpeCache decodes 2 per sequence — and attention counted as dense fp math) ÷ GEMM "
-           "rate; × roofline = step time ÷ the larger floor; prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)",
+           "each query row — SpeCache decodes 1 + its candidates (2 by default) per sequence — and attention "
+           "counted as dense fp math) ÷ GEMM rate; × roofline = step time ÷ the larger floor; prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)",
            ""]
   par = result["parity"]
   lines += ["## The two sides run the same model", "",
