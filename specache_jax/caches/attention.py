@@ -105,9 +105,9 @@ def segmented_attention(q_BTNH, segments: Sequence, sm_scale: float, n_kv: int):
 
 
 def causal_new_mask(batch: int, t: int):
-  """Mask [B, 1, T, T] of the new rows among themselves: row i sees rows j <= i."""
-  m = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-  return jnp.broadcast_to(m[None, None], (batch, 1, t, t))
+  """Mask [B, 1, T, T] of the new rows among themselves: row i sees rows j <= i (`new_rows_mask` of consecutive
+  positions)."""
+  return new_rows_mask(batch, tuple(range(t)))
 
 
 def new_rows_mask(batch: int, offsets):
