@@ -23,7 +23,7 @@ def main(argv):
   rows, md = speculation.table(_HITRATE.value, _NIAH.value, _RULER.value, _STEPS.value)
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python -m experiments.speculation_table " + " ".join(sys.argv[1:])
+  command = " ".join(["python -m experiments.speculation_table", *sys.argv[1:]])
   sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}` (each written by "
              "its experiment; its own summary.md gives the command).")
   (out / "summary.md").write_text(f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n{command}\n```"
