@@ -3,13 +3,13 @@ NIAH, RULER and offloaded-step experiments wrote (`experiments_lib/speculation.p
 
   python -m experiments.speculation_table          # results/speculation/summary.md + table.json
 """
-import json
 import pathlib
 import sys
 
 from absl import app, flags
 
 from specache_jax.experiments_lib import speculation
+from specache_jax.experiments_lib.store import atomic_write_json, atomic_write_text
 
 _HITRATE = flags.DEFINE_string("hitrate", "results/speculation/hitrate/results.json", "experiments.hitrate store")
 _NIAH = flags.DEFINE_string("niah", "results/speculation/niah/results.json", "experiments.niah store (the grid)")
@@ -26,9 +26,9 @@ def main(argv):
   command = " ".join(["python -m experiments.speculation_table", *sys.argv[1:]])
   sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}` (each written by "
              "its experiment; its own summary.md gives the command).")
-  (out / "summary.md").write_text(f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n{command}\n```"
-                                  f"\n\n{sources}\n\n{md}")
-  (out / "table.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=list) + "\n")
+  atomic_write_text(out / "summary.md", f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n"
+                    f"{command}\n```\n\n{sources}\n\n{md}")
+  atomic_write_json(out / "table.json", {"command": command, "rows": rows})
   print(md)
 
 

@@ -24,25 +24,29 @@ from specache_jax.bench.models import SHAPES
 from specache_jax.caches import cache_config
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.experiments_lib import methods
+from specache_jax.experiments_lib.store import ResultStore
 from specache_jax.model.config import ModelConfig
 
 FULL = "full"
 FAITHFUL = "specache_1bit"
-LIMITS = dict(bytes_vs_full=0.12, sync_fetch_rate=0.10, niah_vs_full=0.90, ruler_vs_full=0.90)
+AT_MOST = dict(bytes_vs_full=0.12, sync_fetch_rate=0.10)        # the issue's bar
+AT_LEAST = dict(niah_vs_full=0.90, ruler_vs_full=0.90)
+LIMITS = {**AT_MOST, **AT_LEAST}
 
 
-def _cells(path: pathlib.Path) -> dict[str, dict]:
-  return json.loads(path.read_text())["cells"] if path.exists() else {}
+def _cells(path) -> dict[str, dict]:
+  """An experiment's result store's cells (none when the file does not exist)."""
+  return ResultStore(path).cells
 
 
 def hitrate_rows(path) -> dict[str, dict]:
-  return {c["method"]: c for c in _cells(pathlib.Path(path)).values()}
+  return {c["method"]: c for c in _cells(path).values()}
 
 
 def niah_rows(path) -> dict[str, dict]:
-  """label -> {cells: {cell: correct}} over the (length, depth) cells the store holds."""
+  """label -> {(length, depth): correct} over the cells the store holds."""
   out: dict[str, dict] = {}
-  for c in _cells(pathlib.Path(path)).values():
+  for c in _cells(path).values():
     out.setdefault(c["method"], {})[(c["length"], c["depth"])] = bool(c["correct"])
   return out
 
@@ -50,7 +54,7 @@ def niah_rows(path) -> dict[str, dict]:
 def ruler_rows(path) -> dict[str, list[float]]:
   """label -> every sample's score (0..1), as RULER's average takes them."""
   out: dict[str, list[float]] = {}
-  for c in _cells(pathlib.Path(path)).values():
+  for c in _cells(path).values():
     out.setdefault(c["method"], []).append(float(c["score"]))
   return out
 
@@ -65,12 +69,11 @@ def step_rows(path) -> dict[str, dict]:
           for c in cells for label, rec in c["methods"].items() if rec.get("step_s")}
 
 
-def device_ratio(label: str, specs: dict, context: int = 8192, shape: str = "smollm2-135m") -> float:
-  """The label's device bytes over the full cache's (bf16, one row of `context` tokens)."""
-  cfg = ModelConfig(**SHAPES[shape], name=shape)
-  spec = dict(specs[label])
-  at = lambda m: device_bytes_at(m, cfg, context, jnp.bfloat16)
-  return at(cache_config(spec.pop("name"), **spec)) / at(cache_config(FULL))
+def device_bytes(spec: dict, context: int = 8192, shape: str = "smollm2-135m") -> int:
+  """A label's device bytes (bf16, one row of `context` tokens, the model shape `shape`)."""
+  spec = dict(spec)
+  return device_bytes_at(cache_config(spec.pop("name"), **spec), ModelConfig(**SHAPES[shape], name=shape), context,
+                         jnp.bfloat16)
 
 
 def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], str]:
@@ -82,9 +85,10 @@ def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], 
   full_niah = niah.get(FULL, {})
   full_ruler = float(np.mean(ruler[FULL])) if ruler.get(FULL) else None
   base_step = steps.get(FAITHFUL, {}).get("step_s")
+  full_bytes = device_bytes(specs[FULL])
   rows = []
   for label in labels:
-    r: dict[str, Any] = {"label": label, "bytes_vs_full": device_ratio(label, specs)}
+    r: dict[str, Any] = {"label": label, "bytes_vs_full": device_bytes(specs[label]) / full_bytes}
     if label in hit:
       r["exact_hit"] = hit[label].get("exact_hit_rate")
       r["topk_hit"] = hit[label].get("topk_hit_rate")
@@ -99,8 +103,8 @@ def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], 
     if label in steps:
       r["step_ms"] = 1e3 * steps[label]["step_s"]
       r["step_vs_faithful"] = steps[label]["step_s"] / base_step if base_step else None
-    r["meets"] = all(r.get(k) is not None and (r[k] >= v if k.endswith("vs_full") and k != "bytes_vs_full"
-                                               else r[k] <= v) for k, v in LIMITS.items())
+    r["meets"] = (all(r.get(k) is not None and r[k] <= v for k, v in AT_MOST.items())
+                  and all(r.get(k) is not None and r[k] >= v for k, v in AT_LEAST.items()))
     rows.append(r)
   return rows, _markdown(rows, niah.get(FULL), full_ruler, steps.get(FULL), steps.get(FAITHFUL))
 
