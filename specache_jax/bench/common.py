@@ -55,7 +55,7 @@ class RuntimeDriver:
     return decode.first_input(self.method, first, guesses), lengths, pending
 
   def step(self, carry):
-    """One greedy step: the next input is every row's argmax (= `decode.next_input` with greedy sampling)."""
+    """One greedy step: the next input is `decode.next_input` of the real row's argmax (`greedy_next`)."""
     inp, lengths, pending = carry
     x, pending = self.rt.step(inp, lengths, pending)
     return greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method), lengths + 1, pending
