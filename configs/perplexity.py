@@ -7,6 +7,8 @@ Run (from the repository root):
   python -m experiments.perplexity --config=configs/perplexity.py:essay    # SmolLM2 sanity check: the first
       1,024 tokens of the Paul Graham essays, 16-bit cache only (expect a perplexity of roughly 20–35)
   python -m experiments.perplexity --config=configs/perplexity.py:test     # random tiny model, seconds
+  python -m experiments.perplexity --config=configs/perplexity.py:long --config.output_dir=results/speculation/perplexity \
+      --config.run_methods=full,specache_1bit,specache_1bit_eom,...        # robust-speculation variants (issue 14)
 Override any field from the command line, e.g. `--config.run_methods=full,specache_1bit`.
 """
 import ml_collections
@@ -29,7 +31,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.buckets = "0-1024,1024-2048"    # position buckets [lo, hi) for the table
   # label -> cache settings (experiments_lib/methods.py:standard), plus SpeCache with an oracle speculative
   # row (spec_row="text": the text's true next token instead of the model's own guess).
-  c.methods = dict(methods.standard(),
+  c.methods = dict(methods.standard(), **methods.robust(),     # robust labels: issue 14's variants
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),
                    specache_2bit_oracle=dict(methods.standard()["specache_2bit"], spec_row="text"))
   c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
