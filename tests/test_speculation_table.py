@@ -1,6 +1,7 @@
 """Issue 14's ablation table joins the experiments' stores (experiments_lib/speculation.py): its numbers are the
 stores' numbers, a missing store leaves '–' and the bar unmet, and the bar is checked as the issue states it."""
 import json
+import math
 
 import pytest
 
@@ -12,7 +13,12 @@ def _write(path, cells):
   return path
 
 
-def _stores(tmp_path, eom_niah=(True, True, True, False), eom_ruler=(1.0, 0.0)):
+def _ppl_cell(method, window, nll_sum, count):
+  return {"method": method, "window": window, "nll_sum": {"0–4k": 0.0, "4k–8k": nll_sum},
+          "count": {"0–4k": 10, "4k–8k": count}}
+
+
+def _stores(tmp_path, eom_niah=(True, True, True, False), eom_ruler=(1.0, 0.0), eom_nll=2.05):
   hit = _write(tmp_path / "hit.json", {
       "a": {"method": "specache_1bit", "exact_hit_rate": 0.6, "topk_hit_rate": 0.7},
       "b": {"method": "specache_1bit_eom", "exact_hit_rate": 0.3, "topk_hit_rate": 0.68, "sync_fetch_rate": 0.08}})
@@ -29,7 +35,11 @@ def _stores(tmp_path, eom_niah=(True, True, True, False), eom_ruler=(1.0, 0.0)):
   steps.write_text(json.dumps({"cells": [{"context": 4096, "batch": 1, "methods": {
       "full": {"step_s": 0.03}, "specache_1bit_offload": {"step_s": 0.04},
       "specache_1bit_eom_offload": {"step_s": 0.05}}}]}))
-  return hit, niah, ruler, steps
+  ppl = _write(tmp_path / "ppl.json", {                 # full: 2 windows pooled, mean NLL 2.0 over 4k-8k
+      "full/w0": _ppl_cell("full", 0, 300.0, 100), "full/w1": _ppl_cell("full", 1, 100.0, 100),
+      "specache_1bit_eom/w0": _ppl_cell("specache_1bit_eom", 0, 100 * eom_nll, 100),
+      "specache_1bit_eom/w1": _ppl_cell("specache_1bit_eom", 1, 100 * eom_nll, 100)})
+  return hit, niah, ruler, steps, ppl
 
 
 def test_table_joins_the_stores_and_checks_the_bar(tmp_path):
@@ -39,20 +49,24 @@ def test_table_joins_the_stores_and_checks_the_bar(tmp_path):
   eom = by["specache_1bit_eom"]
   assert eom["niah"] == (3, 4) and eom["niah_vs_full"] == 1.0               # all 3 needles full retrieves
   assert eom["ruler"] == pytest.approx(50.0) and eom["ruler_vs_full"] == pytest.approx(1.0)
+  assert eom["ppl"] == pytest.approx(math.exp(2.05)) and eom["ppl_vs_full"] == pytest.approx(math.exp(0.05))
   assert eom["step_ms"] == pytest.approx(50.0) and eom["step_vs_faithful"] == pytest.approx(1.25)
   assert eom["sync_fetch_rate"] == 0.08 and 0.05 < eom["bytes_vs_full"] < 0.12 and eom["meets"]
   faithful = by["specache_1bit"]
   assert faithful["sync_fetch_rate"] == 0.0 and "niah" not in faithful and not faithful["meets"]   # no NIAH cells
   assert "| specache_1bit | " in md and "| – | – |" in md and "full cache: NIAH 3/4" in md
+  assert f"perplexity 4k–8k {math.exp(2.0):.2f}" in md
 
 
-@pytest.mark.parametrize("niah, ruler", [((True, True, False, False), (1.0, 0.0)),    # 2 of full's 3 needles
-                                         ((True, True, True, True), (0.5, 0.3))])     # RULER 80% of full's
-def test_the_bar_is_not_met_below_90_percent_of_the_full_cache(tmp_path, niah, ruler):
-  rows, _ = speculation.table(*_stores(tmp_path, niah, ruler))
+@pytest.mark.parametrize("niah, ruler, nll", [
+    ((True, True, False, False), (1.0, 0.0), 2.0),    # 2 of full's 3 needles
+    ((True, True, True, True), (0.5, 0.3), 2.0),      # RULER 80% of full's
+    ((True, True, True, True), (1.0, 0.0), 2.1)])     # perplexity e^0.1 = 1.105x full's
+def test_the_bar_is_not_met_when_one_limit_is_missed(tmp_path, niah, ruler, nll):
+  rows, _ = speculation.table(*_stores(tmp_path, niah, ruler, nll))
   assert not {r["label"]: r for r in rows}["specache_1bit_eom"]["meets"]
 
 
 def test_missing_stores_give_no_rows(tmp_path):
-  rows, md = speculation.table(*(tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json")))
+  rows, md = speculation.table(*(tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json", "e.json")))
   assert rows == [] and md.startswith("| SpeCache 1-bit |")

@@ -5,15 +5,18 @@ experiments wrote (nothing is recomputed):
   NIAH grid                        experiments.niah         (results/speculation/niah/results.json)
   RULER CPU suite                  experiments.ruler        (results/ruler_robust/results.json)
   offloaded step time              experiments.peer_bench   (configs/peer_bench.py:robust -> steps_cpu.json)
+  perplexity 4k-8k                 experiments.perplexity   (results/speculation/perplexity/results.json, :long)
   device bytes                     the method's state shapes (`budget.device_bytes_at`, bf16, SmolLM2's shape)
 
 and checked against the issue's "done when": device bytes <= 0.12x the full cache's (bf16, 8k), synchronous
-fetches <= 10% of layer-steps, >= 90% of the NIAH needles the full cache retrieves, >= 90% of its RULER average.
+fetches <= 10% of layer-steps, >= 90% of the NIAH needles the full cache retrieves, >= 90% of its RULER average,
+4k-8k perplexity <= 1.10x the full cache's.
 A cell a store does not hold is '–' and its check is not met.
 """
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -29,9 +32,10 @@ from specache_jax.model.config import ModelConfig
 
 FULL = "full"
 FAITHFUL = "specache_1bit"
-AT_MOST = dict(bytes_vs_full=0.12, sync_fetch_rate=0.10)        # the issue's bar
+AT_MOST = dict(bytes_vs_full=0.12, sync_fetch_rate=0.10, ppl_vs_full=1.10)        # the issue's bar
 AT_LEAST = dict(niah_vs_full=0.90, ruler_vs_full=0.90)
 LIMITS = {**AT_MOST, **AT_LEAST}
+PPL_BUCKET = "4k–8k"
 
 
 def _cells(path) -> dict[str, dict]:
@@ -59,6 +63,17 @@ def ruler_rows(path) -> dict[str, list[float]]:
   return out
 
 
+def perplexity_rows(path, bucket: str = PPL_BUCKET) -> dict[str, float]:
+  """label -> perplexity over `bucket` (experiments.perplexity's bucket name), pooled over the stored windows."""
+  sums: dict[str, list[float]] = {}
+  for c in _cells(path).values():
+    if c.get("count", {}).get(bucket):
+      s = sums.setdefault(c["method"], [0.0, 0])
+      s[0] += c["nll_sum"][bucket]
+      s[1] += c["count"][bucket]
+  return {label: math.exp(s / n) for label, (s, n) in sums.items()}
+
+
 def step_rows(path) -> dict[str, dict]:
   """label (without `_offload`) -> its cell record (ms per step at the run's one context and batch)."""
   path = pathlib.Path(path)
@@ -76,12 +91,12 @@ def device_bytes(spec: dict, context: int = 8192, shape: str = "smollm2-135m") -
                          jnp.bfloat16)
 
 
-def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], str]:
+def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> tuple[list[dict], str]:
   """(rows, markdown) for every SpeCache 1-bit label some store holds, the faithful one first."""
   specs = dict(methods.standard(), **methods.robust())
-  hit, niah, ruler, steps = (hitrate_rows(hitrate_path), niah_rows(niah_path), ruler_rows(ruler_path),
-                             step_rows(steps_path))
-  labels = [l for l in specs if l.startswith(FAITHFUL) and (l in hit or l in niah or l in ruler or l in steps)]
+  hit, niah, ruler, steps, ppl = (hitrate_rows(hitrate_path), niah_rows(niah_path), ruler_rows(ruler_path),
+                                  step_rows(steps_path), perplexity_rows(perplexity_path))
+  labels = [l for l in specs if l.startswith(FAITHFUL) and any(l in d for d in (hit, niah, ruler, steps, ppl))]
   full_niah = niah.get(FULL, {})
   full_ruler = float(np.mean(ruler[FULL])) if ruler.get(FULL) else None
   base_step = steps.get(FAITHFUL, {}).get("step_s")
@@ -100,13 +115,16 @@ def table(hitrate_path, niah_path, ruler_path, steps_path) -> tuple[list[dict], 
     if ruler.get(label):
       r["ruler"] = 100 * float(np.mean(ruler[label]))
       r["ruler_vs_full"] = float(np.mean(ruler[label])) / full_ruler if full_ruler else None
+    if label in ppl:
+      r["ppl"] = ppl[label]
+      r["ppl_vs_full"] = ppl[label] / ppl[FULL] if FULL in ppl else None
     if label in steps:
       r["step_ms"] = 1e3 * steps[label]["step_s"]
       r["step_vs_faithful"] = steps[label]["step_s"] / base_step if base_step else None
     r["meets"] = (all(r.get(k) is not None and r[k] <= v for k, v in AT_MOST.items())
                   and all(r.get(k) is not None and r[k] >= v for k, v in AT_LEAST.items()))
     rows.append(r)
-  return rows, _markdown(rows, niah.get(FULL), full_ruler, steps.get(FULL), steps.get(FAITHFUL))
+  return rows, _markdown(rows, niah.get(FULL), full_ruler, ppl.get(FULL), steps.get(FULL), steps.get(FAITHFUL))
 
 
 def _fmt(v, spec: str) -> str:
@@ -115,10 +133,11 @@ def _fmt(v, spec: str) -> str:
 
 COLUMNS = ("SpeCache 1-bit", "device bytes × full (bf16, 8k)", "exact-token hit", "top-k hit",
            "sync fetches (layer, KV head)", "NIAH found", "NIAH × full's", "RULER avg", "RULER × full's",
+           f"PPL {PPL_BUCKET}", "PPL × full's",
            "offloaded step ms ({context}, B={batch})", "× faithful", "meets the issue's bar")
 
 
-def _markdown(rows, full_niah, full_ruler, full_step, faithful_step) -> str:
+def _markdown(rows, full_niah, full_ruler, full_ppl, full_step, faithful_step) -> str:
   ctx = faithful_step or full_step or {}
   head = "| " + " | ".join(COLUMNS).format(context=ctx.get("context", "–"), batch=ctx.get("batch", "–")) + " |"
   lines = [head, "|" + "---|" * len(COLUMNS)]
@@ -126,12 +145,15 @@ def _markdown(rows, full_niah, full_ruler, full_step, faithful_step) -> str:
     cells = [r["label"], f"{r['bytes_vs_full']:.3f}", _fmt(r.get("exact_hit"), ".3f"), _fmt(r.get("topk_hit"), ".3f"),
              _fmt(r.get("sync_fetch_rate"), ".1%"), f"{r['niah'][0]}/{r['niah'][1]}" if "niah" in r else "–",
              _fmt(r.get("niah_vs_full"), ".0%"), _fmt(r.get("ruler"), ".1f"), _fmt(r.get("ruler_vs_full"), ".0%"),
+             _fmt(r.get("ppl"), ".2f"), _fmt(r.get("ppl_vs_full"), ".2f"),
              _fmt(r.get("step_ms"), ".1f"), _fmt(r.get("step_vs_faithful"), ".2f"), "yes" if r["meets"] else "no"]
     lines.append("| " + " | ".join(cells) + " |")
   ref = [f"full cache: NIAH {sum(full_niah.values())}/{len(full_niah)}" if full_niah else "full cache: NIAH –",
          f"RULER {_fmt(full_ruler and 100 * full_ruler, '.1f')}",
+         f"perplexity {PPL_BUCKET} {_fmt(full_ppl, '.2f')}",
          f"full-cache step {_fmt(full_step and 1e3 * full_step['step_s'], '.1f')} ms"]
   bar = ("The bar (issue 14): device bytes ≤ {bytes_vs_full}× full, synchronous fetches ≤ {sync_fetch_rate:.0%} of "
          "layer-steps (here: of (layer, KV head) fetches), NIAH ≥ {niah_vs_full:.0%} and RULER ≥ {ruler_vs_full:.0%} "
-         "of the full cache's.").format(**LIMITS)
+         "of the full cache's, perplexity over positions {bucket} ≤ {ppl_vs_full:.2f}× the full cache's.").format(
+             bucket=PPL_BUCKET, **LIMITS)
   return "\n".join(lines) + "\n\n" + "; ".join(ref) + ". " + bar + "\n"
