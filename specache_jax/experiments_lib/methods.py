@@ -121,4 +121,9 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_cand2drift10": dict(base, candidates=2, drift=0.1),   # drift: the nearer candidate
       "specache_1bit_cand2eom": dict(base, candidates=2, exact_on_miss=True),  # refetch only if both missed
       "specache_1bit_cand3eom": dict(base, candidates=3, exact_on_miss=True),
+      # the rest of the byte budget (<= 0.12x the full cache, bf16, 8k) spent on fetched rows: k=128 is
+      # 0.117x (k=64: 0.109x); twice the host->device rows per step
+      "specache_1bit_k128": dict(base, topk=128),
+      "specache_1bit_k128eom": dict(base, topk=128, exact_on_miss=True),
+      "specache_1bit_k128cand3eom": dict(base, topk=128, candidates=3, exact_on_miss=True),
   }
