@@ -24,6 +24,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.question = niah.DEFAULT_QUESTION   # asked after the haystack
   c.answer_keywords = "sandwich,Dolores Park"   # comma-separated; an answer is checked for them (any case)
   c.match = "all"                   # "all": every keyword must appear; "any": one is enough
+  c.more_needles = ""               # a needle set: more needles asked at every cell, comma-separated keys of
+                                    # specache_jax.data.niah.NEEDLE_SET (lighthouse, soup, train); "" = none
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
   # label -> cache settings (experiments_lib/methods.py): the paper's methods and SpeCache 1-bit's
   # robust-speculation variants, e.g. exact_on_miss (on a speculation miss, fetch the real token's own top-k

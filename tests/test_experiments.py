@@ -21,6 +21,7 @@ from configs import longbench as longbench_cfg
 from configs import niah as niah_cfg
 from configs import perplexity as perplexity_cfg
 from specache_jax.data import longbench as lb
+from specache_jax.data import niah as niah_data
 from specache_jax.experiments_lib import ablations, hitrate, longbench, models, niah, perplexity
 from specache_jax.experiments_lib.store import ResultStore, fingerprint
 from specache_jax.experiments_lib.teacher_forcing import teacher_forced_nll
@@ -210,6 +211,32 @@ def test_niah_answer_check_reads_the_needle(tiny, tmp_path):
   assert case.check("Eat a SANDWICH in dolores park.") and not case.check("Sit in Dolores Park.")
   assert tiny.tokenizer.decode(case.prompt_ids).startswith("<|im_start|>user\n")
   assert cfg.needle in tiny.tokenizer.decode(case.prompt_ids)
+
+
+def test_niah_needle_set_asks_each_needle_at_every_cell(tiny, tmp_path):
+  """more_needles: every named needle of NEEDLE_SET at every (length, depth), in its own cells; the config's
+  own needle keeps its cell ids (an earlier store stays valid), and the table has a row per (method, needle)."""
+  one = niah.run(_cfg(niah_cfg, tmp_path / "one", run_methods="full"), model=tiny, log=lambda *_: None)
+  cfg = _cfg(niah_cfg, tmp_path / "set", run_methods="full,specache_1bit", more_needles="soup,train")
+  res = niah.run(cfg, model=tiny, log=lambda *_: None)
+  lengths, depths = niah.grid(cfg)
+  assert res.computed == 2 * 3 * len(lengths) * len(depths)
+  for n in lengths:
+    for d in depths:
+      assert res.records[niah.cell_id("full", n, d)]["answer"] == one.records[niah.cell_id("full", n, d)]["answer"]
+      for key in ("soup", "train"):
+        rec = res.records[niah.cell_id("specache_1bit", n, d, key)]
+        assert rec["needle"] == key and rec["method"] == "specache_1bit"
+  case = niah.build_cases(cfg, tiny.tokenizer, [320], [0.5], "soup")[320, 0.5]
+  assert niah_data.NEEDLE_SET["soup"].needle in tiny.tokenizer.decode(case.prompt_ids)
+  assert case.check("Smoked PAPRIKA.") and not case.check("A sandwich.")
+  assert [r[0] for r in _without_seconds(res.table)[2:]] == [
+      "full", "full (soup)", "full (train)", "specache_1bit", "specache_1bit (soup)", "specache_1bit (train)"]
+  text = (tmp_path / "set" / "summary.md").read_text()
+  assert "- specache_1bit, all needles: " in text and "`324@0.25` (soup)" in text
+  assert (tmp_path / "set" / "heatmap_specache_1bit.png").stat().st_size > 0
+  with pytest.raises(ValueError, match="must be one of"):
+    niah.needles(_cfg(niah_cfg, tmp_path, more_needles="soup,kettle"))
 
 
 def test_niah_killed_midway_resumes_to_the_uninterrupted_table(tiny, tmp_path):

@@ -59,6 +59,33 @@ class NeedleSpec:
       raise ValueError(f"match={self.match!r} must be one of {MATCH_MODES}")
 
 
+# More needles for a grid of several questions (`--config.more_needles` of experiments.niah): facts that cannot
+# be guessed from the haystack or from general knowledge, each checked by a keyword the answer must name.
+NEEDLE_SET = {
+    "lighthouse": NeedleSpec(
+        needle="The password for the old lighthouse on Gull Island is violet harbor.",
+        question="What is the password for the old lighthouse on Gull Island?",
+        answer_keywords=("violet harbor",)),
+    "soup": NeedleSpec(
+        needle="The secret ingredient in Grandma Odile's winter soup is smoked paprika.",
+        question="What is the secret ingredient in Grandma Odile's winter soup?",
+        answer_keywords=("paprika",)),
+    "train": NeedleSpec(
+        needle="The night train to Kessrow leaves from platform nineteen.",
+        question="From which platform does the night train to Kessrow leave?",
+        answer_keywords=("nineteen", "19"), match="any"),
+}
+
+
+def needle_set(names: str) -> dict[str, NeedleSpec]:
+  """"lighthouse,soup" -> those entries of NEEDLE_SET, in order ("" -> none)."""
+  keys = [k.strip() for k in str(names).split(",") if k.strip()]
+  unknown = [k for k in keys if k not in NEEDLE_SET]
+  if unknown or len(set(keys)) != len(keys):
+    raise ValueError(f"needles {names!r}: each must be one of {sorted(NEEDLE_SET)}, none repeated")
+  return {k: NEEDLE_SET[k] for k in keys}
+
+
 @dataclasses.dataclass(frozen=True)
 class NiahCase:
   """One built case. ``prompt_ids[needle_start:needle_end]`` is the shortest token span whose decoding

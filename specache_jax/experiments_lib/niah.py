@@ -1,8 +1,10 @@
 """Needle in a Haystack: context lengths × needle depths × cache methods, greedy answers checked for the needle.
 
 Cases come from `specache_jax.data.niah` (Paul Graham essays as the haystack, a needle sentence at a relative
-depth, a question, the chat template). The cells of one (method, length) are decoded together as one ragged
-batch. A cell (method + length + depth) is stored as soon as its batch finishes, with the fingerprint of
+depth, a question, the chat template). The config's needle is asked at every (length, depth); `more_needles`
+names further needles of `niah_data.NEEDLE_SET`, each asked at every cell too (a needle set of several
+questions). The cells of one (method, length, needle) are decoded together as one ragged batch. A cell
+(method + needle + length + depth) is stored as soon as its batch finishes, with the fingerprint of
 everything that decides its answer; a restarted run skips stored cells. Outputs in `config.output_dir`:
 results.json (every cell, its answer text), summary.md (the table), heatmap_<method>.png and heatmaps.png.
 """
@@ -21,9 +23,12 @@ from specache_jax.experiments_lib import methods, models, report
 from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 
 
-def cell_id(label: str, length: int, depth: float) -> str:
-  """E.g. "specache_1bit/len=1024_depth=0.50": method + length + depth."""
-  return f"{label}/{niah_data.cell_id(length, depth)}"
+PRIMARY = ""      # the config's own needle (config.needle, .question, .answer_keywords, .match)
+
+
+def cell_id(label: str, length: int, depth: float, needle: str = PRIMARY) -> str:
+  """E.g. "specache_1bit/len=1024_depth=0.50" (the config's needle) or "specache_1bit/needle=soup/len=..."."""
+  return f"{label}/{f'needle={needle}/' if needle else ''}{niah_data.cell_id(length, depth)}"
 
 
 def grid(config) -> tuple[list[int], list[float]]:
@@ -39,6 +44,17 @@ def needle_spec(config) -> niah_data.NeedleSpec:
                               match=config.match)
 
 
+def needles(config) -> dict[str, niah_data.NeedleSpec]:
+  """key -> needle: PRIMARY (the config's needle) first, then `config.more_needles`' entries of NEEDLE_SET."""
+  return {PRIMARY: needle_spec(config), **niah_data.needle_set(config.get("more_needles", ""))}
+
+
+def _needle_fp(config, spec: niah_data.NeedleSpec) -> tuple:
+  """What decides an answer besides the method (the config's needle: the fields as the config spells them)."""
+  return (config.model, config.dtype, spec.needle, spec.question, ",".join(spec.answer_keywords), spec.match,
+          config.max_new_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   prompt_ids: tuple[int, ...]     # the chat-formatted prompt
@@ -49,10 +65,10 @@ class Case:
     return niah_data.score(answer, self.spec)
 
 
-def build_cases(config, tokenizer, lengths, depths) -> dict[tuple[int, float], Case]:
-  """(length, depth) -> the case: haystack + needle + question as one user turn of the model's chat
-  template, about `length` tokens in all."""
-  spec = needle_spec(config)
+def build_cases(config, tokenizer, lengths, depths, needle: str = PRIMARY) -> dict[tuple[int, float], Case]:
+  """(length, depth) -> the case: haystack + needle (`needles(config)[needle]`) + question as one user turn
+  of the model's chat template, about `length` tokens in all."""
+  spec = needles(config)[needle]
   haystack = corpora.long_text("paul_graham")
 
   def chat(context: str, question: str) -> str:
@@ -74,23 +90,22 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   dtype = model.params["embed"].dtype
   lengths, depths = grid(config)
   labels = methods.labels(config)
-  cases = build_cases(config, model.tokenizer, lengths, depths)
+  specs = needles(config)
+  cases = {key: build_cases(config, model.tokenizer, lengths, depths, key) for key in specs}
   stops = models.stop_ids(model)
   out_dir = pathlib.Path(config.output_dir)
   store = ResultStore(out_dir / "results.json", meta={"experiment": "niah", "command": command})
-  base_fp = (config.model, config.dtype, config.needle, config.question, config.answer_keywords, config.match,
-             config.max_new_tokens)
   computed = skipped = 0
-  groups = [(label, n) for label in labels for n in lengths]
-  for label, n in report.progress(groups, desc="niah"):
-    fp = fingerprint(base_fp, dict(methods.settings_fingerprint_parts(config, label)))
-    todo = [d for d in depths if not store.done(cell_id(label, n, d), fp)]
+  groups = [(label, n, key) for label in labels for n in lengths for key in specs]
+  for label, n, key in report.progress(groups, desc="niah"):
+    fp = fingerprint(_needle_fp(config, specs[key]), dict(methods.settings_fingerprint_parts(config, label)))
+    todo = [d for d in depths if not store.done(cell_id(label, n, d, key), fp)]
     skipped += len(depths) - len(todo)
     if not todo:
       continue
     if config.stop_after and store.computed >= config.stop_after:
       break
-    prompts = [list(cases[n, d].prompt_ids) for d in todo]
+    prompts = [list(cases[key][n, d].prompt_ids) for d in todo]
     max_len = max(len(p) for p in prompts) + config.max_new_tokens + 2
     method = methods.build(config, label, model.config, max_len, dtype)
     t0 = time.time()
@@ -102,66 +117,94 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     recs = {}
     for j, d in enumerate(todo):
       answer = models.decode_answer(model.tokenizer, toks[j], int(nums[j]), stops)
-      recs[cell_id(label, n, d)] = dict(info, depth=d, depth_used=cases[n, d].depth,
-                                        prompt_tokens=len(prompts[j]), answer=answer,
-                                        correct=bool(cases[n, d].check(answer)))
+      recs[cell_id(label, n, d, key)] = dict(info, depth=d, depth_used=cases[key][n, d].depth, needle=key,
+                                             prompt_tokens=len(prompts[j]), answer=answer,
+                                             correct=bool(cases[key][n, d].check(answer)))
     store.put_many(recs, fp)
     computed += len(recs)
-    log(f"niah {label} @ {n} tokens: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
+    log(f"niah {label} @ {n} tokens{f' ({key})' if key else ''}: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
         f"({seconds:.1f} s)")
-  table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start)
+  table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start, list(specs))
   return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
-def summary_table(store: ResultStore, labels, lengths, depths) -> tuple[str, list[str]]:
-  """The method × cell table (✓/✗, accuracy, device bytes) and notes on misses vs the full cache."""
+def summary_table(store: ResultStore, labels, lengths, depths, keys=(PRIMARY,)) -> tuple[str, list[str]]:
+  """The (method, needle) × cell table (✓/✗, accuracy, device bytes) and notes on misses vs the full cache."""
   cols = [(n, d) for n in lengths for d in depths]
   headers = ["method"] + [f"{n}@{d:g}" for n, d in cols] + ["accuracy", "device MiB (max len)", "seconds"]
   rows, notes = [], []
-  full_ok = {c for c in cols if store.cells.get(cell_id("full", *c), {}).get("correct")}
-  for label in labels:
-    recs = [store.cells.get(cell_id(label, n, d)) for n, d in cols]
-    if all(r is None for r in recs):
-      continue
-    marks = ["·" if r is None else ("✓" if r["correct"] else "✗") for r in recs]
-    done = [r for r in recs if r is not None]
-    acc = sum(r["correct"] for r in done) / len(done)
-    batches = {(r["length"], r["batch_seconds"]) for r in done}
-    rows.append([label] + marks + [f"{acc:.2f} ({sum(r['correct'] for r in done)}/{len(done)})",
-                                   report.mib(max(r["device_bytes"] for r in done)),
-                                   f"{sum(s for _, s in batches):.0f}"])
-    if label != "full" and full_ok:
-      missed = [f"{n}@{d:g}" for (n, d), r in zip(cols, recs) if (n, d) in full_ok and r is not None
-                and not r["correct"]]
-      notes.append(f"- {label}: " + (f"misses {', '.join(missed)} that full retrieves" if missed
-                                     else "retrieves every needle the full cache retrieves"))
+  for label, key in [(label, key) for label in labels for key in keys]:
+    row = _table_row(store, label, key, cols)
+    if row is not None:
+      rows.append(row[0])
+      notes += row[1]
+  if len(keys) > 1:
+    notes += [f"- {label}, all needles: {found}/{total} (full retrieves {full_found} of the same cells)"
+              for label, (found, total, full_found) in needle_totals(store, labels, cols, keys).items()]
   return report.md_table(headers, rows), notes
 
 
-def answers_section(store: ResultStore, labels, lengths, depths, width: int = 90) -> str:
-  """Every stored answer, per cell and method (what the ✓/✗ were judged on)."""
+def needle_totals(store: ResultStore, labels, cols, keys) -> dict[str, tuple[int, int, int]]:
+  """label -> (needles found, cells run, of those the cells the full cache gets right) over every needle."""
+  out = {}
+  for label in labels:
+    recs = {(key, c): store.cells.get(cell_id(label, *c, key)) for key in keys for c in cols}
+    done = {k: r for k, r in recs.items() if r is not None}
+    if done:
+      full = sum(bool(store.cells.get(cell_id("full", *c, key), {}).get("correct")) for key, c in done)
+      out[label] = (sum(r["correct"] for r in done.values()), len(done), full)
+  return out
+
+
+def _table_row(store: ResultStore, label: str, key: str, cols):
+  """(table row, notes) of one method and needle, or None when none of its cells was run."""
+  recs = [store.cells.get(cell_id(label, n, d, key)) for n, d in cols]
+  done = [r for r in recs if r is not None]
+  if not done:
+    return None
+  name = f"{label} ({key})" if key else label
+  marks = ["·" if r is None else ("✓" if r["correct"] else "✗") for r in recs]
+  found = sum(r["correct"] for r in done)
+  batches = {(r["length"], r["batch_seconds"]) for r in done}
+  row = [name] + marks + [f"{found / len(done):.2f} ({found}/{len(done)})",
+                          report.mib(max(r["device_bytes"] for r in done)), f"{sum(s for _, s in batches):.0f}"]
+  full_ok = {c for c in cols if store.cells.get(cell_id("full", *c, key), {}).get("correct")}
+  if label == "full" or not full_ok:
+    return row, []
+  missed = [f"{n}@{d:g}" for (n, d), r in zip(cols, recs) if (n, d) in full_ok and r is not None
+            and not r["correct"]]
+  return row, [f"- {name}: " + (f"misses {', '.join(missed)} that full retrieves" if missed
+                                else "retrieves every needle the full cache retrieves")]
+
+
+def answers_section(store: ResultStore, labels, lengths, depths, width: int = 90, keys=(PRIMARY,)) -> str:
+  """Every stored answer, per needle, cell and method (what the ✓/✗ were judged on)."""
   lines = ["## Answers", ""]
-  for n in lengths:
-    for d in depths:
-      lines.append(f"- `{n}@{d:g}`")
-      for label in labels:
-        rec = store.cells.get(cell_id(label, n, d))
-        if rec is not None:
+  for key in keys:
+    for n in lengths:
+      for d in depths:
+        lines.append(f"- `{n}@{d:g}`" + (f" ({key})" if key else ""))
+        for label in labels:
+          rec = store.cells.get(cell_id(label, n, d, key))
+          if rec is None:
+            continue
           text = " ".join(rec["answer"].split())
           text = text if len(text) <= width else text[:width - 1] + "…"
           lines.append(f"  - {label} {'✓' if rec['correct'] else '✗'}: {text}")
   return "\n".join(lines) + "\n"
 
 
-def write_outputs(config, store, labels, lengths, depths, command, seconds) -> str:
+def write_outputs(config, store, labels, lengths, depths, command, seconds, keys=(PRIMARY,)) -> str:
   out_dir = pathlib.Path(config.output_dir)
-  table, notes = summary_table(store, labels, lengths, depths)
+  table, notes = summary_table(store, labels, lengths, depths, keys)
   batches = {(r["method"], r["length"], r["batch_seconds"]) for r in store.cells.values()
              if r.get("method") in labels}
   intro = [f"Model `{config.model}`; haystack: Paul Graham essays; columns `length@depth` (context tokens @ "
            f"relative needle depth); greedy, at most {config.max_new_tokens} new tokens, stop at EOS.",
            f"Needle: \"{config.needle}\" Question: \"{config.question}\" Correct if the answer contains "
            f"{config.match} of \"{config.answer_keywords}\" (case-insensitive). ✓ found, ✗ missed, · not run.",
+           *[f"Needle `{k}` (rows \"method ({k})\"): \"{s.needle}\" Question: \"{s.question}\" Correct if the "
+             f"answer contains {s.match} of \"{','.join(s.answer_keywords)}\"." for k, s in needles(config).items() if k],
            "Device MiB: the cache's accelerator bytes for one row at the longest context, in the model's dtype "
            "(StreamingLLM and H2O are sized to SpeCache 1-bit's bytes at each length).",
            f"Generation time summed over all cells (`seconds`, incl. compilation): "
@@ -170,31 +213,37 @@ def write_outputs(config, store, labels, lengths, depths, command, seconds) -> s
   text = report.header("Needle in a Haystack", command, intro) + "\n" + table + "\n"
   if notes:
     text += "\n" + "\n".join(notes) + "\n"
-  text += "\n" + answers_section(store, labels, lengths, depths)
+  text += "\n" + answers_section(store, labels, lengths, depths, keys=keys)
   atomic_write_text(out_dir / "summary.md", text)
-  plot_heatmaps(store, labels, lengths, depths, out_dir)
+  plot_heatmaps(store, labels, lengths, depths, out_dir, keys)
   return table
 
 
-def plot_heatmaps(store, labels, lengths, depths, out_dir: pathlib.Path) -> None:
-  """heatmap_<label>.png per method and heatmaps.png with all of them side by side."""
+def plot_heatmaps(store, labels, lengths, depths, out_dir: pathlib.Path, keys=(PRIMARY,)) -> None:
+  """heatmap_<label>.png per method and heatmaps.png with all of them side by side; a cell's colour is the
+  fraction of the needles run there that were found (✓/✗ for one needle, "found/run" for several)."""
   plt = report.pyplot()
-  from matplotlib.colors import ListedColormap
-  cmap = ListedColormap(["#d9534f", "#5cb85c"])
-  shown = [lab for lab in labels if any(cell_id(lab, n, d) in store.cells for n in lengths for d in depths)]
+  from matplotlib.colors import LinearSegmentedColormap
+  cmap = LinearSegmentedColormap.from_list("found", ["#d9534f", "#5cb85c"])
+  shown = [lab for lab in labels
+           if any(cell_id(lab, n, d, k) in store.cells for n in lengths for d in depths for k in keys)]
 
   def draw(ax, label):
-    grid_DL = np.full((len(depths), len(lengths)), np.nan)
+    found_DL, run_DL = np.zeros((len(depths), len(lengths))), np.zeros((len(depths), len(lengths)))
     for i, d in enumerate(depths):
       for j, n in enumerate(lengths):
-        rec = store.cells.get(cell_id(label, n, d))
-        if rec is not None:
-          grid_DL[i, j] = float(rec["correct"])
-    ax.imshow(np.ma.masked_invalid(grid_DL), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        recs = [r for k in keys if (r := store.cells.get(cell_id(label, n, d, k))) is not None]
+        found_DL[i, j], run_DL[i, j] = sum(r["correct"] for r in recs), len(recs)
+    with np.errstate(invalid="ignore"):
+      frac = np.where(run_DL > 0, found_DL / np.maximum(run_DL, 1), np.nan)
+    ax.imshow(np.ma.masked_invalid(frac), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     for i in range(len(depths)):
       for j in range(len(lengths)):
-        mark = "" if np.isnan(grid_DL[i, j]) else ("✓" if grid_DL[i, j] else "✗")
-        ax.text(j, i, mark, ha="center", va="center", color="white", fontsize=14)
+        if run_DL[i, j] == 1:
+          mark = "✓" if found_DL[i, j] else "✗"
+        else:
+          mark = f"{found_DL[i, j]:.0f}/{run_DL[i, j]:.0f}" if run_DL[i, j] else ""
+        ax.text(j, i, mark, ha="center", va="center", color="white", fontsize=14 if run_DL[i, j] == 1 else 10)
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("context tokens")

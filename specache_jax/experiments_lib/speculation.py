@@ -48,10 +48,10 @@ def hitrate_rows(path) -> dict[str, dict]:
 
 
 def niah_rows(path) -> dict[str, dict]:
-  """label -> {(length, depth): correct} over the cells the store holds."""
+  """label -> {(needle, length, depth): correct} over the cells the store holds (needle "": the config's own)."""
   out: dict[str, dict] = {}
   for c in _cells(path).values():
-    out.setdefault(c["method"], {})[(c["length"], c["depth"])] = bool(c["correct"])
+    out.setdefault(c["method"], {})[(c.get("needle", ""), c["length"], c["depth"])] = bool(c["correct"])
   return out
 
 
