@@ -1,4 +1,4 @@
-"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates): exact with k >= n,
+"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output): exact with k >= n,
 offloaded = simulated, what each selects, how often drift fetches on the critical path, what the candidate rows
 see and how the next guesses are chosen."""
 import jax
@@ -25,6 +25,8 @@ OPTIONS = {
     "candidates": dict(candidates=2),
     "candidates_mean": dict(candidates=3, candidate_merge="mean"),
     "all": dict(skip_ring=True, hedge=1, hedge_shift=1, drift=0.05, exact_on_miss=True, candidates=2),
+    "lowbit_out": dict(lowbit_in_output=False),
+    "lowbit_out_eom_cand": dict(lowbit_in_output=False, exact_on_miss=True, candidates=2),
 }
 
 
@@ -59,7 +61,7 @@ def test_hedge_drift_and_their_combination_change_what_is_attended_with_a_small_
   prompts = random_prompts(12, [40, 33], model.config.vocab_size)
   faithful = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                          cache=sj.cache_config("specache", topk=3, **BASE))
-  for name in ("hedge", "drift", "candidates", "all"):
+  for name in ("hedge", "drift", "candidates", "all", "lowbit_out"):
     got = sj.generate(model, prompts, max_new_tokens=16, stop_tokens=(),
                       cache=sj.cache_config("specache", topk=3, **BASE, **OPTIONS[name]))
     assert not np.array_equal(got.tokens, faithful.tokens), name
@@ -73,6 +75,35 @@ def _after_predecode(method, n_prompt=37, seed=3):
   _, cache, _ = forward(params, cfg, toks[:, :n_prompt], cache, method, "prefill")
   _, cache, _ = forward(params, cfg, toks[:, n_prompt:n_prompt + 1], cache, method, "predecode")
   return model, toks, cache
+
+
+@pytest.mark.parametrize("lowbit_in_output", [True, False])
+def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_keys_still_choose_kappa(
+    lowbit_in_output):
+  """Scrambling the low-bit values (codes, scales, zeros) changes a decoding step's output only when the output
+  attends the low-bit rows (the ring's values are 16-bit); scrambling the low-bit keys changes κ_{t+1} either
+  way (it is chosen from the low-bit scores)."""
+  method = sj.cache_config("specache", topk=5, lowbit_in_output=lowbit_in_output, **BASE)
+  model, _, cache = _after_predecode(method)
+  st = jax.tree.map(lambda a: a[0], cache.layers)                           # layer 0
+  cfg = model.config
+  keys = jax.random.split(jax.random.key(5), 9)
+  q = jax.random.normal(keys[0], (1, 2, cfg.n_heads, cfg.head_dim))
+  k, v = (jax.random.normal(kk, (1, 2, cfg.n_kv_heads, cfg.head_dim)) for kk in keys[1:3])
+  codes = lambda key, a: jax.random.randint(key, a.shape, 0, 256).astype(a.dtype)
+  low = st.low
+  values = low.replace(v_codes=codes(keys[3], low.v_codes), v_scale=jax.random.uniform(keys[4], low.v_scale.shape),
+                       v_zero=jax.random.normal(keys[5], low.v_zero.shape))
+  keys_ = low.replace(k_codes=codes(keys[6], low.k_codes), k_scale=jax.random.uniform(keys[7], low.k_scale.shape),
+                      k_zero=jax.random.normal(keys[8], low.k_zero.shape))
+  out, st1, _ = sc.attend(method, st, q, k, v, cache.lengths)
+  out_v, _, _ = sc.attend(method, st.replace(low=values), q, k, v, cache.lengths)
+  if lowbit_in_output:
+    assert float(jnp.max(jnp.abs(out - out_v))) > 1e-3
+  else:
+    np.testing.assert_allclose(np.asarray(out_v), np.asarray(out), rtol=1e-6, atol=1e-6)
+  _, st1_k, _ = sc.attend(method, st.replace(low=keys_), q, k, v, cache.lengths)
+  assert not np.array_equal(np.asarray(st1.kappa), np.asarray(st1_k.kappa))
 
 
 def test_skip_ring_picks_only_positions_the_next_attend_reads_from_kappa():
@@ -155,7 +186,8 @@ def test_default_state_carries_no_speculative_query():
     (dict(hedge=1, speculative=False), "speculative=True"), (dict(candidates=0), "candidates=0"),
     (dict(candidates=2, speculative=False), "candidates=2 are speculative rows"),
     (dict(candidates=2, attention_impl="pallas"), "candidates=2 needs attention_impl='jnp'"),
-    (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of")])
+    (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of"),
+    (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool")])
 def test_bad_robust_speculation_settings(settings, match):
   with pytest.raises(ValueError, match=match):
     sj.cache_config("specache", **settings)

@@ -86,6 +86,10 @@ class SpeCacheConfig(CacheConfig):
                                 # row; κ_{t+1} is the top-k of their probabilities merged per position by
                                 # `candidate_merge` (same bytes moved, more rows computed; attention_impl "jnp" for > 1)
   candidate_merge: str = "max"  # max | mean over the candidates' group-averaged probabilities
+  lowbit_in_output: bool = True  # False: a decoding step's output attends only κ_t's 16-bit rows, the ring (16-bit
+                                # values; keys low-bit where already quantized) and the new rows: no low-bit value
+                                # enters it, the low-bit copy only scores (κ_{t+1}; and the pre-decoding pass's T1,
+                                # which has nothing else). Same bytes; the fused kernels still score every row
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -125,6 +129,8 @@ class SpeCacheConfig(CacheConfig):
                         f"only the last row's probabilities), got {self.attention_impl!r}")
     if self.candidate_merge not in CANDIDATE_MERGES:
       raise ConfigError(f"candidate_merge={self.candidate_merge!r} must be one of {CANDIDATE_MERGES}")
+    if not isinstance(self.lowbit_in_output, bool):
+      raise ConfigError(f"lowbit_in_output={self.lowbit_in_output!r} must be a bool")
 
   @property
   def impl(self):
@@ -306,7 +312,8 @@ def _membership(pos_BKY, set_BKX):
 def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
                     ring=None, rows: tuple[int, ...] = (-1,)):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
-  low-bit) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
+  low-bit; with use_kappa and lowbit_in_output=False the output attends κ, the ring and the new rows only,
+  the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
   probabilities per position averaged over each group, [B, K, len(rows), S] float32 (the new rows' columns land
   at their positions n + `row_offsets`). The fused kernels: Pallas (attention_impl; the last row's only) and, for
   attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the last
@@ -373,6 +380,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     out, probs_low, probs_extra = ck.on_cpu(
         trailing and cpu_attention.applies(method.bits, method.group_size, h),
         lambda: fused_attention(cpu_attention.mixed_decode_attention, len(rows)), jnp_attention)
+  if use_kappa and not method.lowbit_in_output:        # the low-bit copy only scores (what κ_{t+1} is chosen by)
+    out, _ = A.segmented_attention(q, [(ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
+                                       (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

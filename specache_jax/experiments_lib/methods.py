@@ -126,4 +126,9 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_k128": dict(base, topk=128),
       "specache_1bit_k128eom": dict(base, topk=128, exact_on_miss=True),
       "specache_1bit_k128cand3eom": dict(base, topk=128, candidates=3, exact_on_miss=True),
+      # the low-bit copy only scores: a decoding step's output attends κ_t, the ring and the new rows
+      "specache_1bit_scoreonly": dict(base, lowbit_in_output=False),
+      "specache_1bit_eom_scoreonly": dict(base, exact_on_miss=True, lowbit_in_output=False),
+      "specache_1bit_cand3eom_scoreonly": dict(base, candidates=3, exact_on_miss=True, lowbit_in_output=False),
+      "specache_1bit_drift10_scoreonly": dict(base, drift=0.1, lowbit_in_output=False),
   }
