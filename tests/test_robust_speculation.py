@@ -27,6 +27,8 @@ OPTIONS = {
     "all": dict(skip_ring=True, hedge=1, hedge_shift=1, drift=0.05, exact_on_miss=True, candidates=2),
     "lowbit_out": dict(lowbit_in_output=False),
     "lowbit_out_eom_cand": dict(lowbit_in_output=False, exact_on_miss=True, candidates=2),
+    "eom_with_fetched": dict(exact_on_miss=True, correct_with_fetched=True),
+    "drift_with_fetched_cand": dict(drift=0.05, correct_with_fetched=True, candidates=2, lowbit_in_output=False),
 }
 
 
@@ -104,6 +106,29 @@ def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_
     np.testing.assert_allclose(np.asarray(out_v), np.asarray(out), rtol=1e-6, atol=1e-6)
   _, st1_k, _ = sc.attend(method, st.replace(low=keys_), q, k, v, cache.lengths)
   assert not np.array_equal(np.asarray(st1.kappa), np.asarray(st1_k.kappa))
+
+
+@pytest.mark.parametrize("with_fetched", [False, True])
+def test_correct_with_fetched_scores_the_rows_on_the_device_from_their_16_bit_keys(with_fetched):
+  """A synchronous κ_t choice (here: exact_on_miss after a miss) with correct_with_fetched reads the prefetched
+  rows' scores from their 16-bit keys: scrambling those positions' low-bit key codes leaves the choice as it
+  is; without it the choice reads those codes."""
+  method = sj.cache_config("specache", topk=5, exact_on_miss=True, correct_with_fetched=with_fetched, **BASE)
+  model, _, cache = _after_predecode(method)
+  st = jax.tree.map(lambda a: a[0], cache.layers).replace(miss=jnp.ones((1,), bool))    # layer 0, a miss
+  cfg = model.config
+  keys = jax.random.split(jax.random.key(8), 4)
+  q = jax.random.normal(keys[0], (1, 2, cfg.n_heads, cfg.head_dim))
+  k, v = (jax.random.normal(kk, (1, 2, cfg.n_kv_heads, cfg.head_dim)) for kk in keys[1:3])
+  rows = np.zeros(st.low.k_codes.shape[:3], bool)                           # [B, K, S]: the prefetched positions
+  for h in range(rows.shape[1]):
+    rows[0, h, np.asarray(st.kappa[0, h])] = True
+  scrambled = jnp.where(jnp.asarray(rows)[..., None],
+                        jax.random.randint(keys[3], st.low.k_codes.shape, 0, 256).astype(st.low.k_codes.dtype),
+                        st.low.k_codes)
+  choose = lambda s: np.asarray(sc.kappa_for_step(method, s, q, k, v, cache.lengths))
+  same = np.array_equal(choose(st), choose(st.replace(low=st.low.replace(k_codes=scrambled))))
+  assert same == with_fetched
 
 
 def test_skip_ring_picks_only_positions_the_next_attend_reads_from_kappa():
@@ -187,7 +212,9 @@ def test_default_state_carries_no_speculative_query():
     (dict(candidates=2, speculative=False), "candidates=2 are speculative rows"),
     (dict(candidates=2, attention_impl="pallas"), "candidates=2 needs attention_impl='jnp'"),
     (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of"),
-    (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool")])
+    (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool"),
+    (dict(correct_with_fetched=1, exact_on_miss=True), "correct_with_fetched=1 must be a bool"),
+    (dict(correct_with_fetched=True), "needs exact_on_miss=True, drift > 0 or speculative=False")])
 def test_bad_robust_speculation_settings(settings, match):
   with pytest.raises(ValueError, match=match):
     sj.cache_config("specache", **settings)

@@ -90,6 +90,9 @@ class SpeCacheConfig(CacheConfig):
                                 # values; keys low-bit where already quantized) and the new rows: no low-bit value
                                 # enters it, the low-bit copy only scores (κ_{t+1}; and the pre-decoding pass's T1,
                                 # which has nothing else). Same bytes; the fused kernels still score every row
+  correct_with_fetched: bool = False  # a synchronous κ_t choice (exact_on_miss, drift, non-speculative) scores the
+                                # rows already on the device (the prefetched κ_t, or the last step's) in 16-bit and
+                                # the rest low-bit, instead of every row low-bit. Same bytes
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -131,6 +134,11 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"candidate_merge={self.candidate_merge!r} must be one of {CANDIDATE_MERGES}")
     if not isinstance(self.lowbit_in_output, bool):
       raise ConfigError(f"lowbit_in_output={self.lowbit_in_output!r} must be a bool")
+    if not isinstance(self.correct_with_fetched, bool):
+      raise ConfigError(f"correct_with_fetched={self.correct_with_fetched!r} must be a bool")
+    if self.correct_with_fetched and not fetches_on_critical_path(self):
+      raise ConfigError("correct_with_fetched=True acts on synchronous κ choices: it needs exact_on_miss=True, "
+                        "drift > 0 or speculative=False")
 
   @property
   def impl(self):
@@ -561,9 +569,10 @@ def observe_speculation(method: SpeCacheConfig, st: State, miss_B) -> State:
 
 
 def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
-  """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions."""
+  """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions (with
+  correct_with_fetched, the rows of st.kappa scored from their fetched 16-bit keys)."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False, ring=ring)
+  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched, ring=ring)
   return select(method, probs[:, :, -1], lengths)
 
 

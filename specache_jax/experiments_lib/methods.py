@@ -131,4 +131,10 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_eom_scoreonly": dict(base, exact_on_miss=True, lowbit_in_output=False),
       "specache_1bit_cand3eom_scoreonly": dict(base, candidates=3, exact_on_miss=True, lowbit_in_output=False),
       "specache_1bit_drift10_scoreonly": dict(base, drift=0.1, lowbit_in_output=False),
+      # ... and a synchronous κ_t choice scores the prefetched rows from their 16-bit keys
+      "specache_1bit_eom_fetched": dict(base, exact_on_miss=True, correct_with_fetched=True),
+      "specache_1bit_eom_fetched_scoreonly": dict(base, exact_on_miss=True, correct_with_fetched=True,
+                                                  lowbit_in_output=False),
+      "specache_1bit_cand3eom_fetched_scoreonly": dict(base, candidates=3, exact_on_miss=True,
+                                                       correct_with_fetched=True, lowbit_in_output=False),
   }
