@@ -137,4 +137,6 @@ def robust() -> dict[str, dict[str, Any]]:
                                                   lowbit_in_output=False),
       "specache_1bit_cand3eom_fetched_scoreonly": dict(base, candidates=3, exact_on_miss=True,
                                                        correct_with_fetched=True, lowbit_in_output=False),
+      "specache_1bit_k128cand3eom_fetched_scoreonly": dict(base, topk=128, candidates=3, exact_on_miss=True,
+                                                           correct_with_fetched=True, lowbit_in_output=False),
   }
