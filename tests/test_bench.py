@@ -139,6 +139,27 @@ def test_transfer_formula_matches_the_state_shapes(model):
       2 * 6 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers
 
 
+def test_runtime_driver_with_exact_on_miss_decodes_the_generate_tokens(model):
+  """The benchmarks' greedy driver tells the runtime which guesses missed, so an exact_on_miss step is timed
+  with its synchronous refetches: its tokens are `generate`'s (offloaded and simulated)."""
+  tokens, lengths = caches.random_prompts(9, 2, 40, model.config.vocab_size)
+  spec = dict(SMALL, exact_on_miss=True)
+  n = 12
+  want = sj.generate(model, [list(t) for t in tokens], max_new_tokens=n, stop_tokens=(),
+                     cache=sj.cache_config(**spec)).tokens
+  drv = throughput.RuntimeDriver(model, sj.cache_config(**spec, offload=True), 2, 64, 40)
+  carry = drv.prefill(tokens, lengths)
+  got = [np.asarray(carry[0][:, 0])]
+  calls, step = [], drv.rt.step
+  drv.rt.step = lambda *a: (calls.append(a[3]), step(*a))[1]
+  for _ in range(n - 1):
+    carry = drv.step(carry)
+    got.append(np.asarray(carry[0][:, 0]))
+  np.testing.assert_array_equal(np.stack(got, axis=1), np.asarray(want))
+  assert calls[0] is None and all(isinstance(m, np.ndarray) and m.shape == (2,) for m in calls[1:])
+  assert any(m.any() for m in calls[1:])                                    # some guesses missed
+
+
 def test_throughput_end_to_end(model):
   c = throughput_cfg.get_config("test")
   c.batches = (2,)

@@ -26,9 +26,12 @@ def error_reason(e: Exception) -> str:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
 def greedy_next(params, x_BWD, inp_BW, *, cfg, method):
-  """The next decoding input [B, W] after a greedy step (`decode.next_input` of the real row's argmax)."""
+  """The next decoding input [B, W] after a greedy step (`decode.next_input` of the real row's argmax) and the
+  rows whose speculative guesses all missed it [B] bool (`decode.speculation`)."""
   logits = dec.lm_head(params, cfg, x_BWD)
-  return decode.next_input(method, inp_BW, decode.guess(logits[:, 0]), logits)
+  nxt = decode.guess(logits[:, 0])
+  _, _, missed = decode.speculation(method, inp_BW, nxt, jnp.ones(nxt.shape, bool))
+  return decode.next_input(method, inp_BW, nxt, logits), missed
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
@@ -45,23 +48,27 @@ class RuntimeDriver:
     self.rt = OffloadRuntime(model.params, model.config, method, batch, max_len, prompt_len=prompt_len)
 
   def prefill(self, tokens_BT, lengths_B):
-    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches), as `decode.start` does."""
+    """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches, missed [B] or None), as
+    `decode.start` does."""
     lengths = jnp.asarray(lengths_B, jnp.int32)
     first = decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths))
     if not self.method.uses_predecode:
-      return decode.first_input(self.method, first), lengths, None
+      return decode.first_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)
     guesses = first_guesses(self.params, x, cfg=self.cfg, method=self.method)
-    return decode.first_input(self.method, first, guesses), lengths, pending
+    return decode.first_input(self.method, first, guesses), lengths, pending, None
 
   def step(self, carry):
-    """One greedy step: the next input is `decode.next_input` of the real row's argmax (`greedy_next`)."""
-    inp, lengths, pending = carry
-    x, pending = self.rt.step(inp, lengths, pending)
-    return greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method), lengths + 1, pending
+    """One greedy step: the next input is `decode.next_input` of the real row's argmax (`greedy_next`). With
+    exact_on_miss the runtime is told which rows' guesses missed (a host sync per step, as `generate` has)."""
+    inp, lengths, pending, missed = carry
+    miss = np.asarray(missed) if self.method.exact_on_miss and missed is not None else None
+    x, pending = self.rt.step(inp, lengths, pending, miss)
+    nxt, missed = greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method)
+    return nxt, lengths + 1, pending, missed
 
   def sync(self, carry):
     """What must be finished for the steps so far to count as done (incl. the issued fetches and ring-flush writes)."""
-    inp, lengths, pending = carry
+    inp, lengths, pending, _ = carry
     fetched = [p.result() for p in pending] if pending else []
     return inp, lengths, fetched, self.rt.states, self.rt.store.arrays()
