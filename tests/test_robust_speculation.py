@@ -240,6 +240,21 @@ def test_presets_name_settings_that_explicit_ones_override():
     sj.cache_config("full", preset="robust")
 
 
+def test_a_preset_label_goes_stale_when_the_preset_is_redefined(monkeypatch):
+  """Stored cells of a preset label carry its resolved settings in their fingerprint: a redefined preset
+  recomputes them instead of reusing the old preset's results."""
+  import ml_collections
+  from specache_jax.experiments_lib import methods
+  config = ml_collections.ConfigDict(dict(methods=dict(r=dict(name="specache", bits=1, preset="robust"),
+                                                       f=dict(name="specache", bits=1))))
+  before = methods.settings_fingerprint_parts(config, "r")
+  assert before["preset_settings"]["bits"] == 1 and "preset_settings" not in methods.settings_fingerprint_parts(
+      config, "f")
+  monkeypatch.setitem(sc.PRESETS, "robust", lambda topk: dict(candidates=2))
+  after = methods.settings_fingerprint_parts(config, "r")
+  assert after["preset_settings"]["candidates"] == 2 and after != before
+
+
 def test_robust_preset_with_topk_covering_the_context_equals_the_full_cache():
   model = _model()
   prompts = random_prompts(6, [20, 31], model.config.vocab_size)

@@ -81,10 +81,14 @@ def describe(method: CacheConfig) -> dict[str, Any]:
 
 
 def settings_fingerprint_parts(config, label: str) -> Mapping[str, Any]:
-  """The unresolved spec (plus its match's, recursively): enough to tell whether a stored cell is stale."""
+  """The unresolved spec (plus its match's, recursively; plus a preset's resolved settings, which change when
+  the preset is redefined): enough to tell whether a stored cell is stale."""
   spec = spec_of(config, label)
   if "match" in spec:
     spec["match_spec"] = dict(settings_fingerprint_parts(config, spec["match"]))
+  if "preset" in spec:
+    kw = {k: v for k, v in spec.items() if k not in ("name", "match", "match_spec", *RUN_OPTIONS)}
+    spec["preset_settings"] = settings_of(cache_config(spec["name"], **kw))
   return spec
 
 
