@@ -229,10 +229,11 @@ def test_hedge_shift_past_the_cache_is_refused_for_its_length():
 
 def test_presets_name_settings_that_explicit_ones_override():
   robust = sj.cache_config("specache", bits=1, preset="robust")
-  assert (robust.skip_ring, robust.hedge, robust.hedge_shift, robust.drift) == (True, 16, 1, 0.1)
-  assert robust.bits == 1 and robust.topk == 64
-  assert sj.cache_config("specache", bits=1, topk=32, preset="robust").hedge == 8     # a quarter of k
-  assert sj.cache_config("specache", preset="robust", drift=0.2, hedge=0, hedge_shift=0).drift == 0.2
+  assert (robust.candidates, robust.exact_on_miss, robust.correct_with_fetched, robust.lowbit_in_output) == (
+      3, True, True, False)
+  assert robust.bits == 1 and robust.topk == 64 and not (robust.skip_ring or robust.hedge or robust.drift)
+  assert sj.cache_config("specache", bits=1, topk=32, preset="robust").topk == 32
+  assert sj.cache_config("specache", preset="robust", candidates=2, lowbit_in_output=True).candidates == 2
   assert sj.cache_config("specache", bits=1, preset="faithful") == sj.cache_config("specache", bits=1)
   with pytest.raises(sj.ConfigError, match=r"preset='fast' is not a SpeCache preset.*faithful.*robust"):
     sj.cache_config("specache", preset="fast")

@@ -118,7 +118,9 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
-      "specache_1bit_robust": dict(base, preset="robust"),                       # skip_ring + hedge 16 shifted + drift 0.1
+      "specache_1bit_robust": dict(base, preset="robust"),   # 3 candidates + exact_on_miss + correct_with_fetched +
+                                                             # lowbit_in_output=False (the former: skiphedgedrift)
+      "specache_1bit_skiphedgedrift": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
       "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
       "specache_1bit_cand3": dict(base, candidates=3),
       "specache_1bit_cand2mean": dict(base, candidates=2, candidate_merge="mean"),
@@ -139,8 +141,5 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_eom_fetched": dict(base, exact_on_miss=True, correct_with_fetched=True),
       "specache_1bit_eom_fetched_scoreonly": dict(base, exact_on_miss=True, correct_with_fetched=True,
                                                   lowbit_in_output=False),
-      "specache_1bit_cand3eom_fetched_scoreonly": dict(base, candidates=3, exact_on_miss=True,
-                                                       correct_with_fetched=True, lowbit_in_output=False),
-      "specache_1bit_k128cand3eom_fetched_scoreonly": dict(base, topk=128, candidates=3, exact_on_miss=True,
-                                                           correct_with_fetched=True, lowbit_in_output=False),
+      "specache_1bit_robust_k128": dict(base, topk=128, preset="robust"),
   }
