@@ -1,6 +1,6 @@
-"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output): exact with k >= n,
-offloaded = simulated, what each selects, how often drift fetches on the critical path, what the candidate rows
-see and how the next guesses are chosen."""
+"""SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output,
+correct_with_fetched): exact with k >= n, offloaded = simulated, what each selects, how often drift fetches on the
+critical path, what the candidate rows see, how the next guesses are chosen, what enters the output."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -321,9 +321,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
                     ring=None, rows: tuple[int, ...] = (-1,)):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit; with use_kappa and lowbit_in_output=False the output attends κ, the ring and the new rows only,
-  the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of `rows` (default: the LAST row), its
-  probabilities per position averaged over each group, [B, K, len(rows), S] float32 (the new rows' columns land
-  at their positions n + `row_offsets`). The fused kernels: Pallas (attention_impl; the last row's only) and, for
+  the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of
+  `rows` (default: the LAST row), its probabilities per position averaged over each group, [B, K, len(rows), S]
+  float32 (the new rows' columns land at their positions n + `row_offsets`). The fused kernels: Pallas (attention_impl; the last row's only) and, for
   attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the last
   len(rows) rows in order.
 

@@ -122,7 +122,8 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
                                              correct=bool(cases[key][n, d].check(answer)))
     store.put_many(recs, fp)
     computed += len(recs)
-    log(f"niah {label} @ {n} tokens{f' ({key})' if key else ''}: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
+    needle = f" ({key})" if key else ""
+    log(f"niah {label} @ {n} tokens{needle}: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
         f"({seconds:.1f} s)")
   table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start, list(specs))
   return SweepResult(table, store.cells, computed, skipped, time.time() - start)
@@ -204,7 +205,8 @@ def write_outputs(config, store, labels, lengths, depths, command, seconds, keys
            f"Needle: \"{config.needle}\" Question: \"{config.question}\" Correct if the answer contains "
            f"{config.match} of \"{config.answer_keywords}\" (case-insensitive). ✓ found, ✗ missed, · not run.",
            *[f"Needle `{k}` (rows \"method ({k})\"): \"{s.needle}\" Question: \"{s.question}\" Correct if the "
-             f"answer contains {s.match} of \"{','.join(s.answer_keywords)}\"." for k, s in needles(config).items() if k],
+             f"answer contains {s.match} of \"{','.join(s.answer_keywords)}\"."
+             for k, s in needles(config).items() if k],
            "Device MiB: the cache's accelerator bytes for one row at the longest context, in the model's dtype "
            "(StreamingLLM and H2O are sized to SpeCache 1-bit's bytes at each length).",
            f"Generation time summed over all cells (`seconds`, incl. compilation): "
