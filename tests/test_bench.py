@@ -207,7 +207,7 @@ def test_resident_store_answers_with_the_rows_it_holds(model):
   method = sj.cache_config(**SMALL, offload=True)
   tokens, lengths = caches.random_prompts(2, 2, 112, model.config.vocab_size)
   drv = throughput.RuntimeDriver(model, method, 2, 128, 112)
-  inp, lens, _ = drv.prefill(tokens, lengths)
+  inp, lens, _, _ = drv.prefill(tokens, lengths)
   res = overlap.ResidentStore.holding_current_rows(drv.rt)
   group = drv.rt.groups[0]
   held = res.fetch(group, tuple(drv.rt.states[l].kappa for l in group)).result()
@@ -215,8 +215,8 @@ def test_resident_store_answers_with_the_rows_it_holds(model):
   assert res.kind == drv.rt.store.kind and res.nbytes == drv.rt.store.nbytes
   real = drv.rt.store
   drv.rt.store = res
-  drv.step((inp, lens, overlap.issue_all_layers(drv.rt)))
-  drv.step((inp, lens, overlap.issue_all_layers(drv.rt)))                     # installed from the held block
+  drv.step((inp, lens, overlap.issue_all_layers(drv.rt), None))
+  drv.step((inp, lens, overlap.issue_all_layers(drv.rt), None))               # installed from the held block
   first = held[0] if real.kind == "numpy" else jnp.stack(held[0])            # layer group[0]'s [2, B, K, X, H]
   np.testing.assert_array_equal(np.asarray(drv.rt.states[group[0]].fetched_k), np.asarray(first[0]))
 
