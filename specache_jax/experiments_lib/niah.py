@@ -49,8 +49,13 @@ def needles(config) -> dict[str, niah_data.NeedleSpec]:
   return {PRIMARY: needle_spec(config), **niah_data.needle_set(config.get("more_needles", ""))}
 
 
-def _needle_fp(config, spec: niah_data.NeedleSpec) -> tuple:
-  """What decides an answer besides the method (the config's needle: the fields as the config spells them)."""
+def _needle_fp(config, key: str) -> tuple:
+  """What decides an answer besides the method (the config's own needle: its fields as the config spells them,
+  so stores written before needle sets existed stay valid)."""
+  if key == PRIMARY:
+    return (config.model, config.dtype, config.needle, config.question, config.answer_keywords, config.match,
+            config.max_new_tokens)
+  spec = niah_data.NEEDLE_SET[key]
   return (config.model, config.dtype, spec.needle, spec.question, ",".join(spec.answer_keywords), spec.match,
           config.max_new_tokens)
 
@@ -98,7 +103,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   computed = skipped = 0
   groups = [(label, n, key) for label in labels for n in lengths for key in specs]
   for label, n, key in report.progress(groups, desc="niah"):
-    fp = fingerprint(_needle_fp(config, specs[key]), dict(methods.settings_fingerprint_parts(config, label)))
+    fp = fingerprint(_needle_fp(config, key), dict(methods.settings_fingerprint_parts(config, label)))
     todo = [d for d in depths if not store.done(cell_id(label, n, d, key), fp)]
     skipped += len(depths) - len(todo)
     if not todo:
