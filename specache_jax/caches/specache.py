@@ -46,8 +46,9 @@ CANDIDATE_MERGES = ("max", "mean")               # how several speculative rows'
 #   robust    the best combination measured (README, results/speculation: SmolLM2-135M, 1-bit): 3 speculative
 #             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False. NIAH 13/15 (full 15,
 #             faithful 0), RULER 24.7 (full 36.2, faithful 7.3), 4k-8k perplexity +8.9% over full (faithful +68%),
-#             ~1% of (layer, KV head) fetches on the critical path; its cost: 2 more query rows per step (3
-#             candidates alone: 1.36x the faithful offloaded step at 4k). The former robust preset is the label
+#             ~1% of (layer, KV head) fetches on the critical path; its cost: 2 more query rows per step and
+#             a host sync per step; offloaded at 4k, B=1 (random-token prompts) 2.65x the faithful step
+#             (results/speculation/steps_robust_cpu.md). The former robust preset is the label
 #             specache_1bit_skiphedgedrift.
 PRESETS = {
     "faithful": lambda topk: {},
