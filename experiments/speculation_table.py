@@ -1,5 +1,6 @@
 """Issue 14's ablation table of SpeCache 1-bit's robust-speculation variants, joined from the stores the hit-rate,
-NIAH, RULER, offloaded-step and perplexity experiments wrote (`experiments_lib/speculation.py`; nothing is recomputed).
+NIAH, RULER, offloaded-step and perplexity experiments wrote (`experiments_lib/speculation.py`; nothing is
+recomputed).
 
   python -m experiments.speculation_table          # results/speculation/summary.md + table.json
 """
@@ -26,8 +27,8 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   command = " ".join(["python -m experiments.speculation_table", *sys.argv[1:]])
-  sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}`, `{_PPL.value}` (each written by "
-             "its experiment; its own summary.md gives the command).")
+  sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}`, `{_PPL.value}` "
+             "(each written by its experiment; its own summary.md gives the command).")
   atomic_write_text(out / "summary.md", f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n"
                     f"{command}\n```\n\n{sources}\n\n{md}")
   atomic_write_json(out / "table.json", {"command": command, "rows": rows})

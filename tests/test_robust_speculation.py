@@ -79,6 +79,17 @@ def _after_predecode(method, n_prompt=37, seed=3):
   return model, toks, cache
 
 
+def _layer0_step_inputs(method, seed: int, n_keys: int):
+  """After pre-decoding: (cache, layer 0's state, random (q, k, v) of a 2-row decoding step, the n_keys keys
+  split from `seed`, of which the first three made q, k, v)."""
+  model, _, cache = _after_predecode(method)
+  cfg = model.config
+  keys = jax.random.split(jax.random.key(seed), n_keys)
+  q = jax.random.normal(keys[0], (1, 2, cfg.n_heads, cfg.head_dim))
+  k, v = (jax.random.normal(kk, (1, 2, cfg.n_kv_heads, cfg.head_dim)) for kk in keys[1:3])
+  return cache, jax.tree.map(lambda a: a[0], cache.layers), (q, k, v), keys
+
+
 @pytest.mark.parametrize("lowbit_in_output", [True, False])
 def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_keys_still_choose_kappa(
     lowbit_in_output):
@@ -86,12 +97,7 @@ def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_
   attends the low-bit rows (the ring's values are 16-bit); scrambling the low-bit keys changes κ_{t+1} either
   way (it is chosen from the low-bit scores)."""
   method = sj.cache_config("specache", topk=5, lowbit_in_output=lowbit_in_output, **BASE)
-  model, _, cache = _after_predecode(method)
-  st = jax.tree.map(lambda a: a[0], cache.layers)                           # layer 0
-  cfg = model.config
-  keys = jax.random.split(jax.random.key(5), 9)
-  q = jax.random.normal(keys[0], (1, 2, cfg.n_heads, cfg.head_dim))
-  k, v = (jax.random.normal(kk, (1, 2, cfg.n_kv_heads, cfg.head_dim)) for kk in keys[1:3])
+  cache, st, (q, k, v), keys = _layer0_step_inputs(method, seed=5, n_keys=9)
   codes = lambda key, a: jax.random.randint(key, a.shape, 0, 256).astype(a.dtype)
   low = st.low
   values = low.replace(v_codes=codes(keys[3], low.v_codes), v_scale=jax.random.uniform(keys[4], low.v_scale.shape),
@@ -114,12 +120,8 @@ def test_correct_with_fetched_scores_the_rows_on_the_device_from_their_16_bit_ke
   rows' scores from their 16-bit keys: scrambling those positions' low-bit key codes leaves the choice as it
   is; without it the choice reads those codes."""
   method = sj.cache_config("specache", topk=5, exact_on_miss=True, correct_with_fetched=with_fetched, **BASE)
-  model, _, cache = _after_predecode(method)
-  st = jax.tree.map(lambda a: a[0], cache.layers).replace(miss=jnp.ones((1,), bool))    # layer 0, a miss
-  cfg = model.config
-  keys = jax.random.split(jax.random.key(8), 4)
-  q = jax.random.normal(keys[0], (1, 2, cfg.n_heads, cfg.head_dim))
-  k, v = (jax.random.normal(kk, (1, 2, cfg.n_kv_heads, cfg.head_dim)) for kk in keys[1:3])
+  cache, st, (q, k, v), keys = _layer0_step_inputs(method, seed=8, n_keys=4)
+  st = st.replace(miss=jnp.ones((1,), bool))                                  # a miss
   rows = np.zeros(st.low.k_codes.shape[:3], bool)                           # [B, K, S]: the prefetched positions
   for h in range(rows.shape[1]):
     rows[0, h, np.asarray(st.kappa[0, h])] = True
