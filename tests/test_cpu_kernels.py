@@ -76,7 +76,7 @@ def test_dense_takes_the_kernel_for_decoding_rows_only():
   tied = lambda x: ck.dense(x, head, transposed=True)
   assert _custom_calls(proj, _rand(rng, 1, 2, 64)) == 1            # SpeCache B=1: the real + speculative row
   assert _custom_calls(proj, _rand(rng, 4, 1, 64)) == 1
-  assert _custom_calls(proj, _rand(rng, 1, 1, 64)) == 0            # one row: XLA's dot (see use_kernel)
+  assert _custom_calls(proj, _rand(rng, 1, 1, 64)) == 1            # one row (batch 1, full cache)
   assert _custom_calls(tied, _rand(rng, 1, 1, 64)) == 1
   assert _custom_calls(proj, _rand(rng, 1, 16, 64)) == 0           # a prompt
   assert _custom_calls(proj, _rand(rng, 1, 2, 64).astype(jnp.bfloat16)) == 0

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
-DENSE_ROWS = {"dn": (2, 8), "nd": (1, 8)}
+DENSE_ROWS = {"dn": (1, 8), "nd": (1, 8)}
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc",
                                                           "prefill_attention.cc", "dense_attention.cc"))
 HEADERS = (Path(__file__).with_name("common.h"),)
@@ -169,10 +169,11 @@ def skinny_matmul_reference(x_MD, ws, transposed: bool = False) -> list:
 
 def use_kernel(rows: int, transposed: bool) -> bool:
   """Whether `dense` takes the kernel for a product with `rows` rows (`DENSE_ROWS`), from whole decoding steps
-  with the kernels on and off (`experiments/cpu_kernel_bench.py`, SmolLM2-135M shapes, the 2-core AVX-512
-  CPU): [D, N] weights from 2 to 8 rows (one row: XLA's dot was as fast alone and faster inside the step;
-  8 rows, SpeCache at batch 4: every weight product of a step 28 ms vs XLA's 38 ms), the tied LM head [N, D]
-  from 1 to 8 rows."""
+  with the kernels on and off (SmolLM2-135M shapes, the 2-core AVX-512 CPU): every weight product from 1 to 8
+  rows. One row: XLA's dot was as fast until the kernel stopped oversubscribing the cores and prefetched its rows
+  (2026-12-05: the full-cache step at 1k, batch 1, 28.6 ms with XLA's dot, 22.4 ms with the kernel; the weight
+  products alone 22.9 vs 19.4 ms, where summing every weight once takes 18.8 ms). 8 rows, SpeCache at batch 4:
+  every weight product of a step 28 ms vs XLA's 38 ms."""
   lo, hi = DENSE_ROWS["nd" if transposed else "dn"]
   return lo <= rows <= hi
 
