@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -113,6 +114,11 @@ def test_peer_bench_end_to_end(tmp_path):
   assert [(x["context"], x["batch"]) for x in result["cells"]] == [(s, b) for s in c.contexts for b in c.batches]
   for cell in result["cells"]:
     assert list(cell["methods"]) == ours + peers
+    # the floor divides by the bandwidth measured while the cell ran (once per decode round)
+    bw = cell["read_bandwidth"]
+    assert len(bw["samples_Bps"]) == c.rounds and bw["median_Bps"] == statistics.median(bw["samples_Bps"]) > 0
+    assert all(r["floor_step_s"] == pytest.approx(r["bytes_per_step"] / bw["median_Bps"])
+               for r in cell["methods"].values())
     for label, rec in cell["methods"].items():
       assert "skipped" not in rec, (label, rec)
       assert rec["prefill_s"] > 0 and rec["step_s"] > 0 and len(rec["rounds_step_s"]) == c.rounds
@@ -137,11 +143,12 @@ def test_peer_bench_end_to_end(tmp_path):
   assert [p["context"] for p in points] == list(c.scaling.contexts)
   for p in points:
     assert list(p["methods"]) == peer._labels(c.scaling.run_methods)
+    assert len(p["read_bandwidth"]["samples_Bps"]) == c.scaling.rounds
     assert all(r["step_s"] > 0 and r["x_floor"] > 0 for r in p["methods"].values()), p
   md = (tmp_path / "peer_test.md").read_text()
   assert md.splitlines()[0] == f"`{meta['command']}`"
   for text in ("## Decode tok/s", "## Prefill seconds", "## Every cell", "## Issue 10's targets",
-               "## Decode step vs context", "| hf_quanto_2bit |", "(scaling_test.png)",
+               "## Decode step vs context", "| hf_quanto_2bit |", "## Read bandwidth while each cell ran", "(scaling_test.png)",
                f"**{par['total']}/{par['total']} equal**"):
     assert text in md, text
   assert plot.stat().st_size > 10_000

@@ -244,10 +244,12 @@ def decode_flops(cfg, batch: int, context: int, width: int = 1) -> float:
   return float(rows * (2 * _weight_macs_per_token(cfg) + attn + 2 * d * cfg.vocab_size))
 
 
-def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict, step_flops: float = 0.0) -> None:
+def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict, step_flops: float = 0.0,
+            read_Bps: float | None = None) -> None:
   """A step's floors: bytes at the read bandwidth (`x_floor`, issue 10's yardstick) and, where `step_flops` is
-  given, its FLOPs at the GEMM rate; the roofline floor is the larger (`x_roofline`)."""
-  bw, fl = limits["read_bandwidth"]["best_Bps"], limits["matmul"]["best_flops"]
+  given, its FLOPs at the GEMM rate; the roofline floor is the larger (`x_roofline`). read_Bps: the bandwidth
+  measured within the step's own cell (default: the run's, measured at its start)."""
+  bw, fl = read_Bps or limits["read_bandwidth"]["best_Bps"], limits["matmul"]["best_flops"]
   rec["bytes_per_step"] = int(bytes_per_step)
   rec["floor_step_s"] = bytes_per_step / bw
   rec["x_floor"] = timing.ratio(rec.get("step_s"), rec["floor_step_s"])
@@ -268,8 +270,9 @@ def _rotated(labels: list[str], i: int) -> list[str]:
 
 
 def time_cell(runners: dict, prefill_rounds: int, warmup: int, steps: int, rounds: int,
-              log: Callable[[str], None] = print) -> dict[str, dict]:
-  """Interleaved prefills, then interleaved decode rounds. A runner that fails is recorded as skipped."""
+              log: Callable[[str], None] = print, probe: Callable[[], Any] | None = None) -> dict[str, dict]:
+  """Interleaved prefills, then interleaved decode rounds. A runner that fails is recorded as skipped.
+  probe: called once per decode round after its methods (the cell's bandwidth measurement)."""
   labels, out = list(runners), {}
   pre = {label: [] for label in labels}
   dec = {label: [] for label in labels}
@@ -300,6 +303,8 @@ def time_cell(runners: dict, prefill_rounds: int, warmup: int, steps: int, round
       sec = attempt(label, lambda: runners[label].chain(steps))
       if sec is not None:
         dec[label].append(sec)
+    if probe is not None:
+      probe()
   for label in labels:
     rec = runners[label].finish()
     rec.update(prefill_s=statistics.median(pre[label]), rounds_prefill_s=pre[label],
@@ -315,6 +320,15 @@ def _ratios(cell: dict, reference: str) -> None:
       continue
     rec["decode_speed_vs_ref"] = timing.ratio(rec["tokens_per_s"], ref.get("tokens_per_s"))
     rec["prefill_time_vs_ref"] = timing.ratio(rec["prefill_s"], ref.get("prefill_s"))
+
+
+def cell_bandwidth(config, limits: dict) -> float:
+  """The machine's read bandwidth now (`machine.read_bandwidth`, as at the run's start: the same array size, threads
+  and frameworks, best of 3): measured in every decode round of a cell, between the methods, so that a cell's
+  × floor divides by what the shared machine read while that cell ran (it moves by ±25% within an hour here)."""
+  bw = machine.read_bandwidth(int(config.machine.bandwidth_bytes), limits["jax_cpu_threads"], 3,
+                              config.hf_device or None)
+  return bw["best_Bps"]
 
 
 def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> dict:
@@ -340,8 +354,13 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
     spec = dict(_as_dict(config.peers)[label])
     cache_bytes[label] = peer_cache_bytes(spec, cfg, context, batch, item)
     runners[label] = HFRunner(hf, spec, tokens, lengths)
-  cell["methods"].update(time_cell(runners, config.prefill_rounds, config.warmup, config.steps, config.rounds, log))
+  bw_samples = []
+  probe = lambda: bw_samples.append(cell_bandwidth(config, limits))  # noqa: E731
+  cell["methods"].update(time_cell(runners, config.prefill_rounds, config.warmup, config.steps, config.rounds, log,
+                                   probe))
   del runners
+  if bw_samples:
+    cell["read_bandwidth"] = {"median_Bps": statistics.median(bw_samples), "samples_Bps": bw_samples}
   order = exp_methods.labels(config) + _labels(config.run_peers)
   cell["methods"] = {label: cell["methods"][label] for label in order}
   flops = prefill_flops(cfg, batch, prompt_len)
@@ -351,7 +370,8 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
       rec["cache_bytes_per_step"] = int(cache_bytes[label])
       rec["weight_bytes_per_step"] = wbytes
       _floors(rec, wbytes + cache_bytes[label], flops, limits,
-              decode_flops(cfg, batch, context, widths.get(label, 1)))
+              decode_flops(cfg, batch, context, widths.get(label, 1)),
+              cell.get("read_bandwidth", {}).get("median_Bps"))
       log(f"S={context} B={batch} {label}: prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step "
           f"({rec['x_floor']:.2f}x floor), {rec['tokens_per_s']:.1f} tok/s")
   _ratios(cell, config.reference)
@@ -435,16 +455,20 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
         steppers.pop(label, None)
         point["methods"][label] = {"skipped": _error_reason(e)}
     del captured
-    samples = {label: [] for label in steppers}
+    samples, bw_samples = {label: [] for label in steppers}, []
     for i in range(sc.rounds):
       for label in _rotated(list(steppers), i) if steppers else []:
         samples[label].append(steppers[label].chain(sc.steps))
+      if steppers:
+        bw_samples.append(cell_bandwidth(config, limits))
     del steppers
+    if bw_samples:
+      point["read_bandwidth"] = {"median_Bps": statistics.median(bw_samples), "samples_Bps": bw_samples}
     for label, xs in samples.items():
       rec = point["methods"][label]
       rec.update(step_s=statistics.median(xs), rounds_step_s=xs)
       _floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits,
-              decode_flops(cfg, sc.batch, context, rec["decode_width"]))
+              decode_flops(cfg, sc.batch, context, rec["decode_width"]), point.get("read_bandwidth", {}).get("median_Bps"))
       log(f"scaling S={context} {label}: {rec['step_s'] * 1e3:.1f} ms/step ({rec['x_floor']:.2f}x floor)")
   return {"model": str(getattr(model, "source", sc.model)), "shape": sc.model, "batch": sc.batch, "weight_bytes_per_step": wbytes,
           "warmup": sc.warmup, "steps": sc.steps, "rounds": sc.rounds, "points": points}

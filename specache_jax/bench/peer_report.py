@@ -16,6 +16,14 @@ def _size(n: float) -> str:
   return f"{int(n)} B"
 
 
+def _cell_bw(c: dict) -> str:
+  bw = c.get("read_bandwidth")
+  if not bw:
+    return "— (the run's)"
+  xs = bw["samples_Bps"]
+  return f"{bw['median_Bps'] / 1e9:.1f} ({min(xs) / 1e9:.1f}–{max(xs) / 1e9:.1f})"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
   return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
           + ["| " + " | ".join(r) + " |" for r in rows])
@@ -60,7 +68,8 @@ def markdown(result: dict, plot_name: str = "") -> str:
            f"`{ref}` in the same cell: decode = tok/s ÷ its tok/s (> 1 faster), prefill = seconds ÷ its seconds "
            "(< 1 faster)",
            "- bytes/step = weights + the cache the method attends at the cell's context (from shapes); × floor = "
-           "step time ÷ (bytes/step ÷ read bandwidth); compute floor = the step's FLOPs (every weight product for "
+           "step time ÷ (bytes/step ÷ the cell's read bandwidth: measured after every decode round of the cell, "
+           "between the methods, as above but best of 3; median over the rounds; cells without it use the run's); compute floor = the step's FLOPs (every weight product for "
            "each query row — SpeCache decodes 1 + its candidates (2 by default) per sequence — and attention "
            "counted as dense fp math) ÷ GEMM rate; × roofline = step time ÷ the larger floor; prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)",
            ""]
@@ -71,6 +80,9 @@ def markdown(result: dict, plot_name: str = "") -> str:
             f"{par['total']} equal** (first mismatch per row: {par['first_mismatch_per_row']}).", ""]
   cells = [c for c in result["cells"] if "methods" in c]
   heads = [f"{c['context']}/B{c['batch']}" for c in cells]
+  if any("read_bandwidth" in c for c in cells):
+    lines += ["## Read bandwidth while each cell ran (GB/s, median of its rounds; min–max)", ""] + _table(
+        heads, [[_cell_bw(c) for c in cells]]) + [""]
   rows = []
   for label in labels:
     row = [label]
@@ -120,8 +132,8 @@ def markdown(result: dict, plot_name: str = "") -> str:
         r = p["methods"].get(l, {})
         row.append(f"{r['step_s'] * 1e3:.1f} ({r['x_floor']:.1f}× floor)" if "step_s" in r
                    else (r.get("skipped") or p.get("skipped", "—")))
-      rows.append(row)
-    lines += _table(["S"] + [f"{l} ms" for l in names], rows) + [""]
+      rows.append(row + [_cell_bw(p)])
+    lines += _table(["S"] + [f"{l} ms" for l in names] + ["read GB/s"], rows) + [""]
     if plot_name:
       lines += [f"![step time vs context]({plot_name})", ""]
   return "\n".join(lines)
