@@ -55,10 +55,14 @@ inline V Exp(V x) {
   return dead ? Splat(0.f) : y * pow2;
 }
 
+// The lanes' sum by halves (a tree: 4 vector adds and 3 scalar ones instead of 15 dependent adds).
 inline float Sum(V v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  typedef float V8 __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  const V8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 // The items of one call. The caller only waits for items another thread already claimed, so two calls running

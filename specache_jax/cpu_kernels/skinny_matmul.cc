@@ -91,24 +91,42 @@ void DnBlock(const float* __restrict x, int64_t d_total, const float* __restrict
   }
 }
 
+// Rows of W per pass in "nd": independent accumulator chains (R·M) for few rows, registers for many.
+constexpr int NdRows(int m) { return m <= 2 ? 4 : (m <= 4 ? 2 : 1); }
+
+// y[m, n] = Σ_d x[m, d] W[n, d] for W[N, D] row-major, rows n0 .. n1-1: R rows of W at a time, each applied to all
+// M rows of x, the rows R ahead prefetched into L2; one tree reduction per output. Measured on the tied LM head
+// [49152, 576], two threads from DRAM: 19.8 -> 29.9 GB/s at M = 2 (the one-row-at-a-time form with a serial lane
+// sum), 28.5 -> 30.7 at M = 1.
 template <int M>
 void NdBlock(const float* __restrict x, int64_t d_total, const float* __restrict w, int64_t n_total,
              int64_t n0, int64_t n1, float* __restrict y) {
+  constexpr int R = NdRows(M);
   const int64_t whole = d_total / kLanes * kLanes;
-  for (int64_t n = n0; n < n1; ++n) {
+  for (int64_t n = n0; n < n1; n += R) {
+    const int64_t rows = std::min<int64_t>(R, n1 - n);
     const float* wr = w + n * d_total;
-    V acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = V{};
+    const bool prefetch = n + 2 * R <= n1;
+    V acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = V{};
     for (int64_t d = 0; d < whole; d += kLanes) {
-      const V wv = Load(wr + d);
-      for (int m = 0; m < M; ++m) acc[m] += Load(x + m * d_total + d) * wv;
+      if (prefetch)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(wr + (R + r) * d_total + d, 0, kPrefetchLocality);
+      V xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = Load(x + m * d_total + d);
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        const V wv = Load(wr + r * d_total + d);
+        for (int m = 0; m < M; ++m) acc[r][m] += xv[m] * wv;
+      }
     }
-    for (int m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int l = 0; l < kLanes; ++l) s += acc[m][l];
-      for (int64_t d = whole; d < d_total; ++d) s += x[m * d_total + d] * wr[d];
-      y[m * n_total + n] = s;
-    }
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = specache_cpu::Sum(acc[r][m]);
+        for (int64_t d = whole; d < d_total; ++d) s += x[m * d_total + d] * wr[r * d_total + d];
+        y[m * n_total + n + r] = s;
+      }
   }
 }
 
