@@ -33,6 +33,8 @@ import numpy as np
 
 from specache_jax import api, decode
 from specache_jax.bench import machine, states, timing
+from specache_jax.bench.floors import (cell_bandwidth, decode_flops, floors, peer_cache_bytes, prefill_flops,
+                                      weight_bytes_per_step)
 from specache_jax.bench import models as bench_models
 from specache_jax.bench.common import random_prompts
 from specache_jax.bench.throughput import decode_step_jit, make_runner
@@ -203,66 +205,6 @@ class HFRunner:
     return dict(self.record, cache_bytes_held=int(held), seq_length=int(cache.get_seq_length()))
 
 
-# ------------------------------------------------------------------------------------------- bytes and FLOPs
-def weight_bytes_per_step(cfg, params) -> int:
-  """Weights a decode step reads: all of them, except an untied embedding table (one row per token)."""
-  total = int(sum(x.nbytes for x in jax.tree.leaves(params)))
-  return total if cfg.tie_embeddings else total - int(params["embed"].nbytes)
-
-
-def peer_cache_bytes(spec: dict, cfg, context: int, batch: int, itemsize: int) -> int:
-  """The peer's cache at `context` tokens: fp K/V (dynamic), or quanto's packed codes + a scale and a shift per
-  q_group_size elements (the ≤ residual_length fp tokens not counted)."""
-  elems = 2 * cfg.n_layers * batch * cfg.n_kv_heads * context * cfg.head_dim
-  if spec["cache"] == "dynamic":
-    return elems * itemsize
-  return elems * spec.get("nbits", 4) // 8 + 2 * elems // spec.get("q_group_size", 64) * itemsize
-
-
-def _weight_macs_per_token(cfg) -> int:
-  """Multiply-adds of one token's projections and MLP over all layers (the LM head apart)."""
-  d, h = cfg.dim, cfg.head_dim
-  return cfg.n_layers * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * h + cfg.n_heads * h * d + 3 * d * cfg.ffn_dim)
-
-
-def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
-  """Matmul FLOPs of the projections and MLP for every prompt token, causal attention (QKᵀ and PV over the lower
-  triangle), and the LM head at the last position."""
-  d, h = cfg.dim, cfg.head_dim
-  per_token = _weight_macs_per_token(cfg)
-  attn = 2 * cfg.n_layers * cfg.n_heads * h * prompt_len * (prompt_len + 1)
-  return float(batch * (2 * per_token * prompt_len + attn + 2 * d * cfg.vocab_size))
-
-
-def decode_flops(cfg, batch: int, context: int, width: int = 1) -> float:
-  """FLOPs of one decode step of `batch` sequences with `width` query rows each (SpeCache: 2, the real and the
-  speculative token): every weight product (the LM head included) for every row, and attention over `context`
-  positions counted as dense fp math (QKᵀ and PV), whatever the cache stores — a low-bit method does the same
-  products on dequantized values (table lookups can do fewer; this is the floor of the straightforward way)."""
-  d, rows = cfg.dim, batch * width
-  attn = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
-  return float(rows * (2 * _weight_macs_per_token(cfg) + attn + 2 * d * cfg.vocab_size))
-
-
-def _floors(rec: dict, bytes_per_step: int, flops: float, limits: dict, step_flops: float = 0.0,
-            read_Bps: float | None = None) -> None:
-  """A step's floors: bytes at the read bandwidth (`x_floor`, issue 10's yardstick) and, where `step_flops` is
-  given, its FLOPs at the GEMM rate; the roofline floor is the larger (`x_roofline`). read_Bps: the bandwidth
-  measured within the step's own cell (default: the run's, measured at its start)."""
-  bw, fl = read_Bps or limits["read_bandwidth"]["best_Bps"], limits["matmul"]["best_flops"]
-  rec["bytes_per_step"] = int(bytes_per_step)
-  rec["floor_step_s"] = bytes_per_step / bw
-  rec["x_floor"] = timing.ratio(rec.get("step_s"), rec["floor_step_s"])
-  if step_flops:
-    rec["step_flops"] = step_flops
-    rec["compute_floor_step_s"] = step_flops / fl
-    rec["roofline_step_s"] = max(rec["floor_step_s"], rec["compute_floor_step_s"])
-    rec["x_roofline"] = timing.ratio(rec.get("step_s"), rec["roofline_step_s"])
-  rec["prefill_flops"] = flops
-  rec["prefill_floor_s"] = flops / fl
-  rec["prefill_x_floor"] = timing.ratio(rec.get("prefill_s"), rec["prefill_floor_s"])
-
-
 # ------------------------------------------------------------------------------------------------ the timing
 def _rotated(labels: list[str], i: int) -> list[str]:
   k = i % len(labels)
@@ -322,15 +264,6 @@ def _ratios(cell: dict, reference: str) -> None:
     rec["prefill_time_vs_ref"] = timing.ratio(rec["prefill_s"], ref.get("prefill_s"))
 
 
-def cell_bandwidth(config, limits: dict) -> float:
-  """The machine's read bandwidth now (`machine.read_bandwidth`, as at the run's start: the same array size, threads
-  and frameworks, best of 3): measured in every decode round of a cell, between the methods, so that a cell's
-  × floor divides by what the shared machine read while that cell ran (it moves by ±25% within an hour here)."""
-  bw = machine.read_bandwidth(int(config.machine.bandwidth_bytes), limits["jax_cpu_threads"], 3,
-                              config.hf_device or None)
-  return bw["best_Bps"]
-
-
 def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> dict:
   cfg, dtype = model.config, model.params["embed"].dtype
   prompt_len = context - config.margin
@@ -369,9 +302,8 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
       rec["tokens_per_s"] = batch / rec["step_s"]
       rec["cache_bytes_per_step"] = int(cache_bytes[label])
       rec["weight_bytes_per_step"] = wbytes
-      _floors(rec, wbytes + cache_bytes[label], flops, limits,
-              decode_flops(cfg, batch, context, widths.get(label, 1)),
-              cell.get("read_bandwidth", {}).get("median_Bps"))
+      floors(rec, wbytes + cache_bytes[label], flops, limits, decode_flops(cfg, batch, context, widths.get(label, 1)),
+             cell.get("read_bandwidth", {}).get("median_Bps"))
       log(f"S={context} B={batch} {label}: prefill {rec['prefill_s']:.2f} s, {rec['step_s'] * 1e3:.1f} ms/step "
           f"({rec['x_floor']:.2f}x floor), {rec['tokens_per_s']:.1f} tok/s")
   _ratios(cell, config.reference)
@@ -467,8 +399,9 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
     for label, xs in samples.items():
       rec = point["methods"][label]
       rec.update(step_s=statistics.median(xs), rounds_step_s=xs)
-      _floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits,
-              decode_flops(cfg, sc.batch, context, rec["decode_width"]), point.get("read_bandwidth", {}).get("median_Bps"))
+      floors(rec, wbytes + rec["cache_bytes_per_step"], 0.0, limits,
+             decode_flops(cfg, sc.batch, context, rec["decode_width"]),
+             point.get("read_bandwidth", {}).get("median_Bps"))
       log(f"scaling S={context} {label}: {rec['step_s'] * 1e3:.1f} ms/step ({rec['x_floor']:.2f}x floor)")
   return {"model": str(getattr(model, "source", sc.model)), "shape": sc.model, "batch": sc.batch, "weight_bytes_per_step": wbytes,
           "warmup": sc.warmup, "steps": sc.steps, "rounds": sc.rounds, "points": points}

@@ -69,8 +69,9 @@ def markdown(result: dict, plot_name: str = "") -> str:
            "(< 1 faster)",
            "- bytes/step = weights + the cache the method attends at the cell's context (from shapes); × floor = "
            "step time ÷ (bytes/step ÷ the cell's read bandwidth: measured after every decode round of the cell, "
-           "between the methods, as above but best of 3; median over the rounds; cells without it use the run's); compute floor = the step's FLOPs (every weight product for "
-           "each query row — SpeCache decodes 1 + its candidates (2 by default) per sequence — and attention "
+           "between the methods, as above but best of 3; median over the rounds; cells without it use the run's); "
+           "compute floor = the step's FLOPs (every weight product for each query row — SpeCache decodes 1 + its "
+           "candidates (2 by default) per sequence — and attention "
            "counted as dense fp math) ÷ GEMM rate; × roofline = step time ÷ the larger floor; prefill × floor = prefill time ÷ (FLOPs ÷ GEMM rate)",
            ""]
   par = result["parity"]
