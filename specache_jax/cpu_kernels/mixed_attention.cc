@@ -190,7 +190,7 @@ void ValueBlock(const float* w, int64_t stride, int64_t m0, int64_t n, const uin
     if constexpr (BITS == 1) {
       uint16_t bits16;
       std::memcpy(&bits16, col + i * c_bytes, 2);
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && (defined(__znver4__) || defined(__znver5__))
       // Even rows: a masked add (the FP add pipes); odd rows: an FMA with the bits as 0/1 floats (the FMA pipes,
       // idle otherwise) — twice the adds per cycle on a core whose add and FMA units are separate (Zen 4).
       const V ones = reinterpret_cast<V>(_mm512_maskz_mov_ps(bits16, _mm512_set1_ps(1.f)));
@@ -208,6 +208,30 @@ void ValueBlock(const float* w, int64_t stride, int64_t m0, int64_t n, const uin
     float* dst = o + (m0 + r) * hd + j * 16;
     Store(dst, Load(dst) + acc[r]);
   }
+}
+
+// 1-bit codes, NB channel blocks j0 .. j0+NB-1 in one value group (one w per slot): one pass over the slots with
+// RB·NB accumulators (each row's w broadcast once per slot, each block's 16 bits loaded once for every row).
+template <int RB, int NB>
+void ValueBlocks1(const float* w, int64_t stride, int64_t m0, int64_t n, const uint8_t* codes, int64_t c_bytes,
+                  int64_t j0, float* o, int64_t hd) {
+  V acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = V{};
+  const uint8_t* col = codes + j0 * 2;
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t bits16[NB];
+    std::memcpy(bits16, col + i * c_bytes, 2 * NB);
+    for (int r = 0; r < RB; ++r) {
+      const float wr = w[(m0 + r) * stride + i];
+      for (int j = 0; j < NB; ++j) acc[r][j] = MaskedAdd(acc[r][j], bits16[j], wr);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float* dst = o + (m0 + r) * hd + (j0 + j) * 16;
+      Store(dst, Load(dst) + acc[r][j]);
+    }
 }
 
 // The same for value groups narrower than a channel block (g < 16): a scale vector per slot, built lane by lane.
@@ -254,7 +278,17 @@ void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, co
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i * n_groups + qg];
     }
-    for (int64_t j = qg * g / 16; j < (qg + 1) * g / 16; ++j)
+    int64_t j = qg * g / 16;
+    if constexpr (BITS == 1) {                           // 4 blocks of 6 rows per pass (24 accumulators)
+      for (; j + 4 <= (qg + 1) * g / 16; j += 4)
+        for (int64_t m0 = 0; m0 < m; m0 += 6) {
+          const int64_t rb = std::min<int64_t>(6, m - m0);
+          static constexpr ValueFn kFns4[] = {ValueBlocks1<1, 4>, ValueBlocks1<2, 4>, ValueBlocks1<3, 4>,
+                                              ValueBlocks1<4, 4>, ValueBlocks1<5, 4>, ValueBlocks1<6, 4>};
+          kFns4[rb - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
+        }
+    }
+    for (; j < (qg + 1) * g / 16; ++j)
       for (int64_t m0 = 0; m0 < m; m0 += kValueRows)
         kFns[std::min<int64_t>(kValueRows, m - m0) - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
   }
