@@ -11,9 +11,10 @@
 //
 // Work items (b, k, chunk of kChunk slots) on the calling thread + XLA's intra-op pool (common.h), two phases:
 //   1. per item: logits of all M rows for the chunk's slots (16 slots at a time: a block's codes are unpacked
-//      once and scored for every row; 1-bit by nibble tables), the chunk's max and exp-sum per row, Σ p·v̂ over
-//      the chunk (each slot's codes read once per 16-channel block for every row; 1-bit by masked adds), and
-//      the last P rows' unnormalised probabilities.
+//      once and scored for every row; 1-bit by nibble tables), the chunk's max per row, then one pass for the
+//      exps, their sum and (one value group per slot) the value weights p·scale and Σ p·zero; Σ p·v̂'s codes part
+//      (each slot's codes read once per 16-channel block for every row; 1-bit: four blocks per pass, by masked
+//      adds), and the last P rows' unnormalised probabilities.
 //   2. (b, k): log-sum-exp merge of the chunks and the extra columns; outputs and probabilities (run by the
 //      thread that finishes the head's last chunk).
 // Slots at or past lowbit_len are never read (their scales may be NaN); a row with every column masked gives
@@ -261,14 +262,15 @@ constexpr std::array<ValueFn, sizeof...(RBs)> ValueFns(std::integer_sequence<int
 // Σ p·v̂; the zeros' part is the caller's). w: scratch [M, stride].
 template <int BITS>
 void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
-              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd) {
+              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd, bool w_ready) {
   if (g % 16) {
     ValueBlockNarrow<BITS>(p, stride, m, n, codes, c_bytes, scale, n_groups, g, o, hd);
     return;
   }
   static constexpr auto kFns = ValueFns<BITS>(std::make_integer_sequence<int, kValueRows>());
   for (int64_t qg = 0; qg < n_groups; ++qg) {
-    if (n_groups == 1) {                                 // contiguous scales: whole vectors, then the tail
+    if (w_ready) {                                       // one group: the softmax pass wrote w = p · scale
+    } else if (n_groups == 1) {                          // contiguous scales: whole vectors, then the tail
       for (int64_t r = 0; r < m; ++r) {
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) Store(w + r * stride + i, Load(p + r * stride + i) * Load(scale + i));
@@ -326,12 +328,6 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
     scaled_buf.resize(m * stride);
   }
   float* const logits = logits_buf.data();
-  std::vector<int32_t> ok(n16, 0);
-  std::fill(ok.begin(), ok.begin() + n, -1);
-  for (int64_t i = 0; i < d.x; ++i) {
-    const int64_t xs = excl[bk * d.x + i];
-    if (xs >= s0 && xs < s0 + n) ok[xs - s0] = 0;
-  }
   // logits, one key group at a time (the query folded with the group's scales and zeros)
   const int64_t n_nib = hd / 4;
   std::vector<float> w(m * hd), base(m);
@@ -380,50 +376,75 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
       }
     }
   }
-  // softmax pieces per row: masked -> -inf, max, p = exp(l - max), Σ p
+  // masked -> -inf: the excluded slots and the lanes past n
+  for (int64_t r = 0; r < m; ++r) {
+    float* l = logits + r * stride;
+    std::fill(l + n, l + n16, kNegInf);
+    for (int64_t i = 0; i < d.x; ++i) {
+      const int64_t xs = excl[bk * d.x + i];
+      if (xs >= s0 && xs < s0 + n) l[xs - s0] = kNegInf;
+    }
+  }
+  // per row: max, then one pass for p = exp(l - max), Σ p and, with one value group per slot, the codes' weights
+  // p·scale (ValueSum's w) and the zeros' part Σ p·z
+  const float* vsr = vs + (bk * d.s + s0) * d.v_groups;
+  const float* vzr = vz + (bk * d.s + s0) * d.v_groups;
+  const bool one_group = d.v_groups == 1 && d.g % 16 == 0;
+  alignas(64) float tail_s[16] = {0}, tail_z[16] = {0};          // the last vector's scales / zeros, 0 past n
+  const int64_t n_whole = n / 16 * 16;
+  if (one_group)
+    for (int64_t i = n_whole; i < n; ++i) {
+      tail_s[i - n_whole] = vsr[i];
+      tail_z[i - n_whole] = vzr[i];
+    }
+  float* const wbuf = scaled_buf.data();
+  std::vector<float> zpart(m, 0.f);
   const V ninf = Splat(kNegInf);
   for (int64_t r = 0; r < m; ++r) {
     float* l = logits + r * stride;
-    V vmax = ninf;
-    for (int64_t i = 0; i < n16; i += 16) {
-      VI okv;
-      std::memcpy(&okv, ok.data() + i, sizeof(okv));
-      const V v = okv ? Load(l + i) : ninf;
-      Store(l + i, v);
+    V vmax = ninf, vmax1 = ninf;                        // two chains: a max's latency per vector otherwise
+    int64_t i = 0;
+    for (; i + 32 <= n16; i += 32) {
+      const V v = Load(l + i), v1 = Load(l + i + 16);
       vmax = vmax > v ? vmax : v;
+      vmax1 = vmax1 > v1 ? vmax1 : v1;
     }
+    if (i < n16) vmax1 = vmax1 > Load(l + i) ? vmax1 : Load(l + i);
+    vmax = vmax > vmax1 ? vmax : vmax1;
     float row_max = kNegInf;
     for (int lane = 0; lane < 16; ++lane) row_max = std::max(row_max, vmax[lane]);
     mx[r] = row_max;
-    V vsum = V{};
+    V vsum = V{}, vz_acc = V{};
     if (row_max == kNegInf) {
       std::fill(l, l + n16, 0.f);
+      if (one_group) std::fill(wbuf + r * stride, wbuf + r * stride + n16, 0.f);
     } else {
       for (int64_t i = 0; i < n16; i += 16) {
         const V e = Exp(Load(l + i) - row_max);
         Store(l + i, e);
         vsum += e;
+        if (one_group) {
+          const bool whole = i < n_whole;
+          Store(wbuf + r * stride + i, e * (whole ? Load(vsr + i) : Load(tail_s)));
+          vz_acc += e * (whole ? Load(vzr + i) : Load(tail_z));
+        }
       }
     }
-    float total = 0.f;
-    for (int lane = 0; lane < 16; ++lane) total += vsum[lane];
-    zs[r] = total;
+    zs[r] = Sum(vsum);
+    zpart[r] = Sum(vz_acc);
   }
   // Σ p · v̂: the codes' part per channel block, then the zeros' part Σ_i p_i z_{i, group}
-  ValueSum<BITS>(logits, scaled_buf.data(), stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes,
-                 vs + (bk * d.s + s0) * d.v_groups, d.v_groups, d.g, o, hd);
-  const float* vzr = vz + (bk * d.s + s0) * d.v_groups;
+  ValueSum<BITS>(logits, wbuf, stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes, vsr, d.v_groups, d.g, o,
+                 hd, one_group);
   for (int64_t r = 0; r < m; ++r) {
+    if (one_group) {
+      for (int64_t h = 0; h < hd; ++h) o[r * hd + h] += zpart[r];
+      continue;
+    }
     const float* l = logits + r * stride;
     for (int64_t qg = 0; qg < d.v_groups; ++qg) {
       float total = 0.f;
-      int64_t i = 0;
-      if (d.v_groups == 1) {                             // contiguous zeros: vectors, then the tail
-        V acc = V{};
-        for (; i + 16 <= n; i += 16) acc += Load(l + i) * Load(vzr + i);
-        total = Sum(acc);
-      }
-      for (; i < n; ++i) total += l[i] * vzr[i * d.v_groups + qg];
+      for (int64_t i = 0; i < n; ++i) total += l[i] * vzr[i * d.v_groups + qg];
       for (int64_t h = qg * d.g; h < (qg + 1) * d.g; ++h) o[r * hd + h] += total;
     }
   }
