@@ -157,6 +157,7 @@ def test_peer_bench_end_to_end(tmp_path):
   for cell in other["cells"]:
     cell["batch"] += 100
   other["meta"]["command"] = "python -m experiments.peer_bench (the other run)"
+  other["meta"]["prefill_rounds"] = meta["prefill_rounds"] + 2      # a run that prefilled more often
   (tmp_path / "other.json").write_text(json.dumps(other))
   merged_out = tmp_path / "merged"
   proc = subprocess.run([sys.executable, "-m", "experiments.peer_bench", "--config=configs/peer_bench.py:test",
@@ -171,3 +172,6 @@ def test_peer_bench_end_to_end(tmp_path):
   assert len(merged["targets"]) == 6 and merged["scaling"] == other["scaling"]
   md = (tmp_path / "merged.md").read_text()
   assert md.startswith("Merged from 2 runs") and "(the other run)" in md and "## Decode tok/s" in md
+  n = meta["prefill_rounds"]
+  assert [r["prefill_rounds"] for r in merged["meta"]["merged_runs"]] == [n, n + 2]
+  assert f"prefills {n}–{n + 2}× in rotating order" in md and f"{n + 2} prefill(s) per method and cell" in md

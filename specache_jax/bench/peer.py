@@ -500,9 +500,14 @@ def merge(results: list[dict], targets_config) -> dict:
     for c in done:
       cells[(c["context"], c["batch"])] = c
     runs.append({"command": m.get("command", ""), "cells": [f"{c['context']}/B{c['batch']}" for c in done],
+                 "prefill_rounds": m["prefill_rounds"],
                  "limits": m["limits"], "machine_start": m.get("machine_start", {}),
                  "machine_end": m.get("machine_end", {}), "seconds": m.get("seconds")})
   meta["merged_runs"] = runs
+  counts = sorted({r["prefill_rounds"] for r in runs if r["cells"]})
+  if len(counts) > 1:                                   # the timing line then names the range (each run: its own)
+    meta["prefill_rounds"] = f"{counts[0]}–{counts[-1]}"
+
   meta["seconds"] = sum(r["seconds"] or 0 for r in runs)
   meta["machine_end"] = results[-1]["meta"].get("machine_end", {})
   merged = {"meta": meta, "parity": results[0]["parity"], "cells": [cells[k] for k in sorted(cells)]}

@@ -39,7 +39,8 @@ def markdown(result: dict, plot_name: str = "") -> str:
   if runs:
     lines = [f"Merged from {len(runs)} runs (each cell is one run's; within a cell every method is interleaved):", ""]
     for r in runs:
-      lines += [f"- `{r['command']}`", f"  cells {', '.join(r['cells']) or 'none'}; read bandwidth "
+      lines += [f"- `{r['command']}`", f"  cells {', '.join(r['cells']) or 'none'}; "
+                f"{r.get('prefill_rounds', meta['prefill_rounds'])} prefill(s) per method and cell; read bandwidth "
                 f"{r['limits']['read_bandwidth']['best_Bps'] / 1e9:.1f} GB/s; load average at start "
                 f"{r['machine_start'].get('load_average_1_5_15')}, at end {r['machine_end'].get('load_average_1_5_15')}"]
     lines += ["", "# Ours vs HF transformers on the same model, prompts and contexts (interleaved within each cell)",
