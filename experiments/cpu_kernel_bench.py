@@ -7,6 +7,8 @@ row gathers) vs XLA on this CPU:
 products  a decoding step's weight products alone (SmolLM2-135M shapes, random float32 weights: per layer
           q/k/v in one product, o, gate/up in one, down; 30 layers; the tied LM head), M rows, XLA's dot vs the
           kernel for every M (whatever `cpu_kernels.use_kernel` picks); GB/s and × the machine's read floor.
+layers    SpeCache 1-bit's per-layer kernels alone, once per layer: the mixed attention vs its jnp reference and
+          κ's top-k vs lax.top_k (random codes and scores of `--contexts` slots, 2 rows per sequence).
 steps     whole greedy decoding steps of the library (random weights and a random cache state of `--contexts`
           tokens, as peer_bench's scaling curve) with every kernel (what the library picks), with the matmul kernel
           alone (low-bit attention, κ's top-k and row gathers by XLA; SpeCache and KIVI) and with none
@@ -29,6 +31,7 @@ from absl import app, flags
 
 from configs import peer_bench as peer_bench_config
 from specache_jax import cpu_kernels as ck
+from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference as mixed_reference
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.bench import machine, models as bench_models, peer, states, throughput, timing
@@ -57,6 +60,45 @@ def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bo
   attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
       method.bits, method.group_size, head_dim)
   return matmul, attention, variant == "kernel" and method.name == "specache"
+
+
+def layer_kernels(cfg, context: int, batch: int, rounds: int) -> dict:
+  """SpeCache 1-bit's per-layer kernels alone, called once per layer (random codes: g = 64, 64 κ rows excluded,
+  the ring's and κ's 16-bit columns and the 2 new rows as the extra columns; the real and the speculative row):
+  the mixed attention vs its float32 jnp reference, κ's top-k vs lax.top_k over the slots."""
+  rng = np.random.default_rng(context + batch)
+  b, t, n, kh, h, g, x = batch, 2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 64, 64
+  s = -(-(context + 256) // g) * g
+  e = 64 + x + t
+  f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)     # noqa: E731
+  codes = lambda: jnp.asarray(rng.integers(0, 256, (b, kh, s, h // 8), dtype=np.uint8))   # noqa: E731
+  args = (f32(b, t, n, h), codes(), jnp.abs(f32(b, kh, s // g, h)), f32(b, kh, s // g, h), codes(),
+          jnp.abs(f32(b, kh, s, 1)), f32(b, kh, s, 1), jnp.full((b,), context, jnp.int32),
+          jnp.asarray(rng.integers(0, context, (b, kh, x)), jnp.int32), f32(b, kh, e, h), f32(b, kh, e, h),
+          jnp.ones((b, kh, t, e), bool))
+  kw = dict(bits=1, group_size=g, sm_scale=h ** -0.5, prob_rows=1)
+  scores = jnp.asarray(rng.random((cfg.n_layers, b * kh, s)) ** 8, jnp.float32)
+
+  def attention(fn):
+    return jax.jit(lambda a: [fn(*a, **kw) for _ in range(cfg.n_layers)])
+
+  def top_k(fn):
+    return jax.jit(lambda sc: [fn(sc[i]) for i in range(cfg.n_layers)])
+
+  att = {"kernel": attention(cpu_attention.mixed_decode_attention), "xla": attention(mixed_reference)}
+  sel = {"kernel": top_k(lambda v: cpu_select.top_k_indices(v, x)),
+         "xla": top_k(lambda v: cpu_select.top_k_indices_reference(v, x))}
+  got, want = att["kernel"](args)[0], att["xla"](args)[0]
+  err = max(float(jnp.max(jnp.abs(a - w)) / jnp.max(jnp.abs(w))) for a, w in zip(got, want))
+  same = bool(jnp.all(sel["kernel"](scores)[0] == sel["xla"](scores)[0]))
+  if err > 1e-4 or not same:
+    raise AssertionError(f"layer kernels disagree with XLA at S={context} B={batch}: attention rel err {err:.2e}, "
+                         f"top-k equal {same}")
+  samples = _rounds({**{f"attention_{k}": (lambda f=f: f(args)) for k, f in att.items()},
+                     **{f"top_k_{k}": (lambda f=f: f(scores)) for k, f in sel.items()}}, rounds)
+  out = {"S": context, "B": batch, "slots": s, "max_rel_err": err}
+  out.update({k: 1e3 * statistics.median(v) for k, v in samples.items()})
+  return out
 
 
 def _rounds(fns: dict, rounds: int) -> dict:
@@ -189,6 +231,12 @@ def _markdown(rep: dict) -> str:
     cell = lambda v: f"{v['ms']:.2f} ({v['GBps']:.1f}, {v['x_floor']:.2f}×)"
     lines.append(f"| {p['rows']} | {p['weight_bytes'] / 2**20:.0f} MiB | {cell(p['xla'])} | {cell(p['kernel'])} "
                  f"| {p['kernel_vs_xla']:.2f} |")
+  lines += ["", "## SpeCache 1-bit's per-layer kernels alone (30 calls, one per layer; 2 rows per sequence)", "",
+            "| S | B | slots | attention: kernel ms | XLA (jnp reference) ms | top-k: kernel ms | lax.top_k ms |",
+            "|---|---|---|---|---|---|---|"]
+  for c in rep.get("layers", []):
+    lines.append(f"| {c['S']} | {c['B']} | {c['slots']} | {c['attention_kernel']:.2f} | {c['attention_xla']:.2f} | "
+                 f"{c['top_k_kernel']:.2f} | {c['top_k_xla']:.2f} |")
   lines += ["", "## Whole decoding steps: every kernel / the matmul kernel alone (attention, top-k, gathers by XLA) "
             "/ none", "",
             "| S | B | method | rows per product | kernels ms/step | matmul kernel only | XLA ms/step | kernels ÷ XLA "
@@ -216,13 +264,17 @@ def main(argv):
                   "machine": timing.machine_info(), "load_start": timing.load_average(),
                   "bandwidth_GBps": bw["best_Bps"] / 1e9, "bandwidth_of": bw["best_of"], "rounds": _ROUNDS.value,
                   "kernel_status": ck.status(), "use_kernel": ck.DENSE_ROWS},
-         "products": [], "steps": []}
+         "products": [], "layers": [], "steps": []}
   for rows in (int(r) for r in _ROWS.value):
     rep["products"].append(products(model.params, model.config, rows, _ROUNDS.value, bw["best_Bps"]))
     p = rep["products"][-1]
     print(f"products M={rows}: xla {p['xla']['ms']:.2f} ms, kernel {p['kernel']['ms']:.2f} ms")
   for batch in (int(b) for b in _BATCHES.value):
     for context in (int(c) for c in _CONTEXTS.value):
+      rep["layers"].append(layer_kernels(model.config, context, batch, _ROUNDS.value))
+      c = rep["layers"][-1]
+      print(f"layer kernels S={context} B={batch}: attention {c['attention_kernel']:.2f} ms (XLA "
+            f"{c['attention_xla']:.2f}), top-k {c['top_k_kernel']:.2f} ms (XLA {c['top_k_xla']:.2f})")
       cell = {"S": context, "B": batch,
               "methods": steps(model, _METHODS.value, context, batch, _ROUNDS.value, _STEPS.value)}
       rep["steps"].append(cell)
