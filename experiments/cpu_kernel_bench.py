@@ -72,7 +72,8 @@ def layer_kernels(cfg, context: int, batch: int, rounds: int) -> dict:
   e = 64 + x + t
   f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)     # noqa: E731
   codes = lambda: jnp.asarray(rng.integers(0, 256, (b, kh, s, h // 8), dtype=np.uint8))   # noqa: E731
-  args = (f32(b, t, n, h), codes(), jnp.abs(f32(b, kh, s // g, h)), f32(b, kh, s // g, h), codes(),
+  q_layers = f32(cfg.n_layers, b, t, n, h)               # one query per layer: identical calls would be merged
+  args = (q_layers, codes(), jnp.abs(f32(b, kh, s // g, h)), f32(b, kh, s // g, h), codes(),
           jnp.abs(f32(b, kh, s, 1)), f32(b, kh, s, 1), jnp.full((b,), context, jnp.int32),
           jnp.asarray(rng.integers(0, context, (b, kh, x)), jnp.int32), f32(b, kh, e, h), f32(b, kh, e, h),
           jnp.ones((b, kh, t, e), bool))
@@ -80,7 +81,7 @@ def layer_kernels(cfg, context: int, batch: int, rounds: int) -> dict:
   scores = jnp.asarray(rng.random((cfg.n_layers, b * kh, s)) ** 8, jnp.float32)
 
   def attention(fn):
-    return jax.jit(lambda a: [fn(*a, **kw) for _ in range(cfg.n_layers)])
+    return jax.jit(lambda a: [fn(a[0][i], *a[1:], **kw) for i in range(cfg.n_layers)])
 
   def top_k(fn):
     return jax.jit(lambda sc: [fn(sc[i]) for i in range(cfg.n_layers)])
