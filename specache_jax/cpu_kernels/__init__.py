@@ -50,7 +50,7 @@ MAX_ROWS = 8          # rows the kernel takes
 DENSE_ROWS = {"dn": (1, 8), "nd": (1, 8)}
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc",
                                                           "prefill_attention.cc", "dense_attention.cc"))
-HEADERS = (Path(__file__).with_name("common.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("common.h", "mixed_values.h"))
 TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
 TOP_K_TARGET = "specache_top_k"

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common.h"
+#include "mixed_values.h"
 #include "xla/ffi/api/ffi.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -43,6 +44,7 @@ using specache_cpu::MergeChunks;
 using specache_cpu::Splat;
 using specache_cpu::Store;
 using specache_cpu::Sum;
+using specache_cpu::ValueSum;
 using specache_cpu::V;
 using specache_cpu::VI;
 using specache_cpu::VW;
@@ -79,42 +81,6 @@ inline void SlotCodes(const VW* words, int64_t c_bytes, V* cv) {
   for (int64_t w = 0; w < c_bytes / 4; ++w)
     for (int j = 0; j < kPerWord; ++j)
       cv[w * kPerWord + j] = __builtin_convertvector(VI((words[w] >> (j * BITS)) & kMask), V);
-}
-
-// acc + (w in the lanes whose bit is set in `bits`, 0 elsewhere): one masked add on AVX-512.
-inline V MaskedAdd(V acc, uint16_t bits, float w) {
-#ifdef __AVX512F__
-  return reinterpret_cast<V>(_mm512_mask_add_ps(reinterpret_cast<__m512>(acc), bits, reinterpret_cast<__m512>(acc),
-                                                _mm512_set1_ps(w)));
-#else
-  const VI on = ((VI{} + bits) & (VI{} + 1 << kIota)) != 0;
-  return acc + (on ? Splat(w) : V{});
-#endif
-}
-
-// Codes of 16 consecutive channels of one slot (the 2·b bytes at p) as floats.
-template <int BITS>
-inline V Codes16(const uint8_t* p) {
-  if constexpr (BITS == 1) {
-    uint16_t x;
-    std::memcpy(&x, p, 2);
-    return __builtin_convertvector((VI{} + x >> kIota) & 1, V);
-  } else if constexpr (BITS == 2) {
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    return __builtin_convertvector(VI(((VW{} + x) >> VW(2 * kIota)) & 3u), V);
-  } else if constexpr (BITS == 4) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    const VW w = kIota < 8 ? VW{} + lo : VW{} + hi;
-    return __builtin_convertvector(VI((w >> VW(4 * (kIota & 7))) & 15u), V);
-  } else {
-    typedef uint8_t VB __attribute__((vector_size(16)));
-    VB x;
-    std::memcpy(&x, p, 16);
-    return __builtin_convertvector(__builtin_convertvector(x, VI), V);
-  }
 }
 
 // logits of rows m0 .. m0+RB-1 for one block of 16 slots: base[m] + Σ_h w[m, h] · cv[h] -> out + m·stride.
@@ -154,7 +120,7 @@ void KeyRowsNibbles(const VI* idx, int64_t n_nib, const V* tables, const float* 
     for (int r = 0; r < RB; ++r) {
       a0[r] += __builtin_shuffle(tables[(m0 + r) * n_nib + c], idx[c]);
 #ifdef __AVX512F__
-      // a1 by an FMA (x·1 + a, exact): the FMA pipes take half the adds (see ValueBlock)
+      // a1 by an FMA (x·1 + a, exact): the FMA pipes take half the adds (see ValueBlocks1)
       a1[r] = reinterpret_cast<V>(_mm512_fmadd_ps(
           reinterpret_cast<__m512>(__builtin_shuffle(tables[(m0 + r) * n_nib + c + 1], idx[c + 1])), one,
           reinterpret_cast<__m512>(a1[r])));
@@ -177,124 +143,6 @@ struct KeyFns {
 template <int... RBs>
 constexpr KeyFns<RBs...> MakeKeyFns(std::integer_sequence<int, RBs...>) { return {}; }
 using KeyTable = decltype(MakeKeyFns(std::make_integer_sequence<int, kKeyRows>()));
-
-// o[m, 16j .. 16j+15] += Σ_i w[m, i] · code(slot i, channels 16j ..) for the chunk's first n slots, rows m0 ..
-// m0+RB-1 (RB accumulators), w = the probabilities times the slot's scale of that channel block's value group.
-// 1-bit codes select which lanes add w (no multiply).
-template <int BITS, int RB>
-void ValueBlock(const float* w, int64_t stride, int64_t m0, int64_t n, const uint8_t* codes, int64_t c_bytes,
-                int64_t j, float* o, int64_t hd) {
-  V acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = V{};
-  const uint8_t* col = codes + j * 2 * BITS;
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (BITS == 1) {
-      uint16_t bits16;
-      std::memcpy(&bits16, col + i * c_bytes, 2);
-#if defined(__AVX512F__) && (defined(__znver4__) || defined(__znver5__))
-      // Even rows: a masked add (the FP add pipes); odd rows: an FMA with the bits as 0/1 floats (the FMA pipes,
-      // idle otherwise) — twice the adds per cycle on a core whose add and FMA units are separate (Zen 4).
-      const V ones = reinterpret_cast<V>(_mm512_maskz_mov_ps(bits16, _mm512_set1_ps(1.f)));
-      for (int r = 0; r < RB; ++r)
-        acc[r] = r % 2 ? acc[r] + ones * w[(m0 + r) * stride + i] : MaskedAdd(acc[r], bits16, w[(m0 + r) * stride + i]);
-#else
-      for (int r = 0; r < RB; ++r) acc[r] = MaskedAdd(acc[r], bits16, w[(m0 + r) * stride + i]);
-#endif
-    } else {
-      const V cv = Codes16<BITS>(col + i * c_bytes);
-      for (int r = 0; r < RB; ++r) acc[r] += cv * w[(m0 + r) * stride + i];
-    }
-  }
-  for (int r = 0; r < RB; ++r) {
-    float* dst = o + (m0 + r) * hd + j * 16;
-    Store(dst, Load(dst) + acc[r]);
-  }
-}
-
-// 1-bit codes, NB channel blocks j0 .. j0+NB-1 in one value group (one w per slot): one pass over the slots with
-// RB·NB accumulators (each row's w broadcast once per slot, each block's 16 bits loaded once for every row).
-template <int RB, int NB>
-void ValueBlocks1(const float* w, int64_t stride, int64_t m0, int64_t n, const uint8_t* codes, int64_t c_bytes,
-                  int64_t j0, float* o, int64_t hd) {
-  V acc[RB][NB];
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = V{};
-  const uint8_t* col = codes + j0 * 2;
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t bits16[NB];
-    std::memcpy(bits16, col + i * c_bytes, 2 * NB);
-    for (int r = 0; r < RB; ++r) {
-      const float wr = w[(m0 + r) * stride + i];
-      for (int j = 0; j < NB; ++j) acc[r][j] = MaskedAdd(acc[r][j], bits16[j], wr);
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) {
-      float* dst = o + (m0 + r) * hd + (j0 + j) * 16;
-      Store(dst, Load(dst) + acc[r][j]);
-    }
-}
-
-// The same for value groups narrower than a channel block (g < 16): a scale vector per slot, built lane by lane.
-template <int BITS>
-void ValueBlockNarrow(const float* p, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
-                      const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd) {
-  for (int64_t j = 0; j < hd / 16; ++j)
-    for (int64_t i = 0; i < n; ++i) {
-      V sv;
-      for (int l = 0; l < 16; ++l) sv[l] = scale[i * n_groups + (j * 16 + l) / g];
-      const V cs = Codes16<BITS>(codes + i * c_bytes + j * 2 * BITS) * sv;
-      for (int64_t r = 0; r < m; ++r) {
-        float* dst = o + r * hd + j * 16;
-        Store(dst, Load(dst) + cs * p[r * stride + i]);
-      }
-    }
-}
-
-constexpr int kValueRows = 8;   // rows per pass over a channel block's codes
-using ValueFn = void (*)(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
-template <int BITS, int... RBs>
-constexpr std::array<ValueFn, sizeof...(RBs)> ValueFns(std::integer_sequence<int, RBs...>) {
-  return {ValueBlock<BITS, RBs + 1>...};
-}
-
-// o[m, :] += Σ_i p[m, i] · code(slot i) · scale(slot i, group) over the chunk's first n slots (the codes' part of
-// Σ p·v̂; the zeros' part is the caller's). w: scratch [M, stride].
-template <int BITS>
-void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
-              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd, bool w_ready) {
-  if (g % 16) {
-    ValueBlockNarrow<BITS>(p, stride, m, n, codes, c_bytes, scale, n_groups, g, o, hd);
-    return;
-  }
-  static constexpr auto kFns = ValueFns<BITS>(std::make_integer_sequence<int, kValueRows>());
-  for (int64_t qg = 0; qg < n_groups; ++qg) {
-    if (w_ready) {                                       // one group: the softmax pass wrote w = p · scale
-    } else if (n_groups == 1) {                          // contiguous scales: whole vectors, then the tail
-      for (int64_t r = 0; r < m; ++r) {
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) Store(w + r * stride + i, Load(p + r * stride + i) * Load(scale + i));
-        for (; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i];
-      }
-    } else {
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i * n_groups + qg];
-    }
-    int64_t j = qg * g / 16;
-    if constexpr (BITS == 1) {                           // 4 blocks of 6 rows per pass (24 accumulators)
-      for (; j + 4 <= (qg + 1) * g / 16; j += 4)
-        for (int64_t m0 = 0; m0 < m; m0 += 6) {
-          const int64_t rb = std::min<int64_t>(6, m - m0);
-          static constexpr ValueFn kFns4[] = {ValueBlocks1<1, 4>, ValueBlocks1<2, 4>, ValueBlocks1<3, 4>,
-                                              ValueBlocks1<4, 4>, ValueBlocks1<5, 4>, ValueBlocks1<6, 4>};
-          kFns4[rb - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
-        }
-    }
-    for (; j < (qg + 1) * g / 16; ++j)
-      for (int64_t m0 = 0; m0 < m; m0 += kValueRows)
-        kFns[std::min<int64_t>(kValueRows, m - m0) - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
-  }
-}
 
 struct Shapes {
   int64_t b, k, m, t, hd, s, c_bytes, p_groups, v_groups, x, e, g, chunk, n_chunks, p;   // p: prob rows
