@@ -142,7 +142,6 @@ void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, co
     ValueBlockNarrow<BITS>(p, stride, m, n, codes, c_bytes, scale, n_groups, g, o, hd);
     return;
   }
-  static constexpr auto kFns = ValueFns<BITS>(std::make_integer_sequence<int, kValueRows>());
   for (int64_t qg = 0; qg < n_groups; ++qg) {
     if (w_ready) {                                       // one group: the softmax pass wrote w = p · scale
     } else if (n_groups == 1) {                          // contiguous scales: whole vectors, then the tail
@@ -166,6 +165,7 @@ void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, co
           fns[std::min<int64_t>(6, m - m0) - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
       }
     } else {
+      static constexpr auto kFns = ValueFns<BITS>(std::make_integer_sequence<int, kValueRows>());
       for (int64_t j = qg * g / 16; j < j1; ++j)
         for (int64_t m0 = 0; m0 < m; m0 += kValueRows)
           kFns[std::min<int64_t>(kValueRows, m - m0) - 1](w, stride, m0, n, codes, c_bytes, j, o, hd);
