@@ -251,13 +251,13 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   for (int64_t r = 0; r < m; ++r) {
     float* l = logits + r * stride;
     V vmax = ninf, vmax1 = ninf;                        // two chains: a max's latency per vector otherwise
-    int64_t i = 0;
-    for (; i + 32 <= n16; i += 32) {
-      const V v = Load(l + i), v1 = Load(l + i + 16);
+    int64_t c = 0;
+    for (; c + 32 <= n16; c += 32) {
+      const V v = Load(l + c), v1 = Load(l + c + 16);
       vmax = vmax > v ? vmax : v;
       vmax1 = vmax1 > v1 ? vmax1 : v1;
     }
-    if (i < n16) vmax1 = vmax1 > Load(l + i) ? vmax1 : Load(l + i);
+    if (c < n16) vmax1 = vmax1 > Load(l + c) ? vmax1 : Load(l + c);   // n16 is a multiple of 16: one vector left
     vmax = vmax > vmax1 ? vmax : vmax1;
     float row_max = kNegInf;
     for (int lane = 0; lane < 16; ++lane) row_max = std::max(row_max, vmax[lane]);
