@@ -237,7 +237,7 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   // p·scale (ValueSum's w) and the zeros' part Σ p·z
   const float* vsr = vs + (bk * d.s + s0) * d.v_groups;
   const float* vzr = vz + (bk * d.s + s0) * d.v_groups;
-  const bool one_group = d.v_groups == 1 && d.g % 16 == 0;
+  const bool one_group = d.v_groups == 1;                    // then g = H, a multiple of 16
   alignas(64) float tail_s[16] = {0}, tail_z[16] = {0};          // the last vector's scales / zeros, 0 past n
   const int64_t n_whole = n / 16 * 16;
   if (one_group)
@@ -282,8 +282,7 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
     zpart[r] = Sum(vz_acc);
   }
   // Σ p · v̂: the codes' part per channel block, then the zeros' part Σ_i p_i z_{i, group}
-  ValueSum<BITS>(logits, wbuf, stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes, vsr, d.v_groups, d.g, o,
-                 hd, one_group);
+  ValueSum<BITS>(logits, wbuf, stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes, vsr, d.v_groups, d.g, o, hd);
   for (int64_t r = 0; r < m; ++r) {
     if (one_group) {
       for (int64_t h = 0; h < hd; ++h) o[r * hd + h] += zpart[r];

@@ -134,26 +134,19 @@ constexpr std::array<ValueFn, sizeof...(RBs)> Value1Fns(std::integer_sequence<in
 }
 
 // o[m, :] += Σ_i p[m, i] · code(slot i) · scale(slot i, group) over the chunk's first n slots (the codes' part of
-// Σ p·v̂; the zeros' part is the caller's). w: scratch [M, stride].
+// Σ p·v̂; the zeros' part is the caller's). w [M, stride]: with one value group per slot (n_groups == 1, g = H) the
+// weights p · scale as the caller's softmax pass wrote them; otherwise scratch, written here per group.
 template <int BITS>
 void ValueSum(const float* p, float* w, int64_t stride, int64_t m, int64_t n, const uint8_t* codes, int64_t c_bytes,
-              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd, bool w_ready) {
+              const float* scale, int64_t n_groups, int64_t g, float* o, int64_t hd) {
   if (g % 16) {
     ValueBlockNarrow<BITS>(p, stride, m, n, codes, c_bytes, scale, n_groups, g, o, hd);
     return;
   }
   for (int64_t qg = 0; qg < n_groups; ++qg) {
-    if (w_ready) {                                       // one group: the softmax pass wrote w = p · scale
-    } else if (n_groups == 1) {                          // contiguous scales: whole vectors, then the tail
-      for (int64_t r = 0; r < m; ++r) {
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) Store(w + r * stride + i, Load(p + r * stride + i) * Load(scale + i));
-        for (; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i];
-      }
-    } else {
+    if (n_groups > 1)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < n; ++i) w[r * stride + i] = p[r * stride + i] * scale[i * n_groups + qg];
-    }
     const int64_t j1 = (qg + 1) * g / 16;
     if constexpr (BITS == 1) {                           // 4 (else 2, 1) blocks of up to 6 rows per pass
       static constexpr auto kRows = std::make_integer_sequence<int, 6>();

@@ -62,7 +62,7 @@ void TopKRow(const float* x, int64_t s, int64_t k, int32_t* out) {
   thread_local std::vector<uint32_t> keys, tmp;
   thread_local std::vector<int32_t> cand;
   keys.resize(s);
-  cand.resize(s + 16);
+  cand.resize(s);
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
   for (int64_t i = 0; i < s; ++i) keys[i] = OrderKey(bits[i]);
   uint32_t theta = 0;
