@@ -199,21 +199,22 @@ def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: 
   check_numerics: carry guards' first-non-finite record, returned as stats[guards.RECORD_KEY]."""
   b = tokens_BT.shape[0]
   pin = (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
-  cache = pin(init_cache(method, cfg, b, max_len, params["embed"].dtype))
+  # One buffer per layer and per-layer weights, sliced once, from the prompt on: the prefill, the pre-decoding
+  # pass and the decoding steps run a Python loop over the layers (no weight or state slicing per layer, no
+  # stacked -> per-layer copy of the cache), each state updated in place.
+  layer_params = decoder.unstack_params(params, cfg.n_layers)
+  cache = pin(decoder.per_layer(init_cache(method, cfg, b, max_len, params["embed"].dtype), cfg.n_layers))
   record = guards.empty_record()
-  logits, cache = prefill(params, cfg, method, tokens_BT, lengths_B, cache)
+  logits, cache = prefill(layer_params, cfg, method, tokens_BT, lengths_B, cache)
   cache = pin(cache)
   if check_numerics:
     record = guards.update(record, 0, "prefill", logits, cache.layers)
   rng, sub = jax.random.split(rng)
   first = sample(logits, sub, spec)
-  inp, cache, logits_p = start(params, cfg, method, first, cache)
+  inp, cache, logits_p = start(layer_params, cfg, method, first, cache)
   cache = pin(cache)
   if check_numerics and logits_p is not None:
     record = guards.update(record, 1, "predecode", logits_p, cache.layers)
-  # Decoding steps: one buffer per layer (updated in place in the loop) and per-layer weights, sliced once.
-  cache = decoder.per_layer(cache, cfg.n_layers)
-  layer_params = decoder.unstack_params(params, cfg.n_layers)
   step_aux = jax.eval_shape(
       lambda c, i: decoder.forward(layer_params, cfg, i, c, method, "decode")[2], cache, inp)
   state = DecodeState(

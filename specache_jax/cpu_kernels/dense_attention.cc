@@ -143,8 +143,7 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const fl
       Store(l + j, v);
       vmax = vmax > v ? vmax : v;
     }
-    float row_max = kNegInf;
-    for (int lane = 0; lane < 16; ++lane) row_max = std::max(row_max, vmax[lane]);
+    const float row_max = specache_cpu::MaxLanes(vmax, kNegInf);
     V vsum = V{};
     for (int64_t j = 0; j < n16; j += 16) {
       const V e = Exp(Load(l + j) - row_max);

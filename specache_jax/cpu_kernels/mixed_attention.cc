@@ -259,8 +259,7 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
     }
     if (c < n16) vmax1 = vmax1 > Load(l + c) ? vmax1 : Load(l + c);   // n16 is a multiple of 16: one vector left
     vmax = vmax > vmax1 ? vmax : vmax1;
-    float row_max = kNegInf;
-    for (int lane = 0; lane < 16; ++lane) row_max = std::max(row_max, vmax[lane]);
+    const float row_max = specache_cpu::MaxLanes(vmax, kNegInf);
     mx[r] = row_max;
     V vsum = V{}, vz_acc = V{};
     if (row_max == kNegInf) {

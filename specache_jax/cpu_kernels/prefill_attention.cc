@@ -137,8 +137,7 @@ void Item(const Dims& d, int64_t bk, int64_t qb, const float* q, const float* kt
           }
           vmax = vmax > x ? vmax : x;
         }
-        float mx = m[r0 + r];
-        for (int i = 0; i < 16; ++i) mx = std::max(mx, vmax[i]);
+        const float mx = specache_cpu::MaxLanes(vmax, m[r0 + r]);
         if (mx == kNegInf) {                               // no column of this block (and none before)
           alpha[r] = 1.f;
           std::fill(sr, sr + n16, 0.f);
@@ -151,8 +150,7 @@ void Item(const Dims& d, int64_t bk, int64_t qb, const float* q, const float* kt
           Store(sr + j, e);
           vsum += e;
         }
-        float total = 0.f;
-        for (int i = 0; i < 16; ++i) total += vsum[i];
+        const float total = specache_cpu::Sum(vsum);
         l[r0 + r] = l[r0 + r] * alpha[r] + total;
         m[r0 + r] = mx;
       }
