@@ -133,3 +133,29 @@ def test_prefill_in_row_chunks_equals_one_piece(chunk, monkeypatch):
   np.testing.assert_allclose(logits, whole_logits, atol=3e-5, rtol=1e-5)   # GEMMs of other shapes round apart
   for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(whole_cache)):
     np.testing.assert_allclose(a, b, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,settings", [("full", {}), ("kivi", dict(bits=2, group_size=8, residual=8)),
+                                           ("specache", dict(bits=1, group_size=8, residual=8, topk=8))],
+                         ids=["full", "kivi", "specache"])
+def test_prefill_over_per_layer_states_equals_the_stacked_scan(name, settings):
+  """generate_jit prefills through the per-layer loop (per-layer weights and states); `prefill_cache` and the
+  tests' stacked caches through the layer scan: the same logits and the same cache, leaf by leaf."""
+  from specache_jax import decode
+  from specache_jax.model import decoder
+  model = tiny_model(seed=4, n_layers=3)
+  cfg, params = model.config, model.params
+  method = cache_config(name, **settings)
+  toks, lens = sj.pad_prompts(random_prompts(5, [40, 27], cfg.vocab_size))
+  toks, lens = jnp.asarray(toks), jnp.asarray(lens)
+  run = jax.jit(lambda p, c: decode.prefill(p, cfg, method, toks, lens, c))
+  logits_s, stacked = run(params, init_cache(method, cfg, 2, 96, jnp.float32))
+  logits_l, per_layer = run(decoder.unstack_params(params, cfg.n_layers),
+                            decoder.per_layer(init_cache(method, cfg, 2, 96, jnp.float32), cfg.n_layers))
+  assert decoder.is_per_layer(per_layer.layers) and not decoder.is_per_layer(stacked.layers)
+  np.testing.assert_allclose(logits_l, logits_s, rtol=1e-6, atol=1e-6)
+  for layer, (st_l, st_s) in enumerate(zip(per_layer.layers, decoder.per_layer(stacked, cfg.n_layers).layers)):
+    for a, b in zip(jax.tree.leaves(st_l), jax.tree.leaves(st_s)):
+      np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6, atol=1e-6,
+                                 err_msg=f"layer {layer}")
+  np.testing.assert_array_equal(per_layer.lengths, stacked.lengths)
