@@ -4,8 +4,9 @@
 // Row t of prompt b (each of the G query heads of a KV head) attends to keys j <= min(t, lengths[b] - 1) with
 // one softmax; rows past a prompt's length attend to the whole prompt; a prompt of length 0 gives zeros.
 // Inputs: q [B, T, N, H] (scaled here by sm_scale), keys transposed per block of kBk columns kt [B, K, Tp/kBk, H,
-// kBk] (a block's 64 KiB contiguous: no page per channel) and values v [B, K, Tp, H] (Tp >= T a multiple of kBk,
-// the padding never attended). Output [B, T, N, H].
+// kBk] (a block's 64 KiB contiguous: no page per channel; Tp >= T a multiple of kBk, the padding never attended)
+// and values v [B, T, K, H] as the projection wrote them (rows K·H floats apart; only rows < T are read). Output
+// [B, T, N, H].
 //
 // Work items (b, KV head, block of kBq positions), heaviest (last) blocks first, on XLA's pool. An item walks
 // the key blocks of kBk columns up to its diagonal (a block's keys and values stay in L2 while every row tile
@@ -65,13 +66,14 @@ void Logits(const float* q, int64_t hd, const float* kt, int64_t ld, int64_t n64
 }
 
 // o[r, :] = o[r, :] · alpha[r] + Σ_{j<n} p[r, j] v[j, :] for kRows rows (hd a multiple of 64).
-void ProbValues(const float* p, int64_t lds, int64_t n, const float* v, int64_t hd, const float* alpha, float* o) {
+void ProbValues(const float* p, int64_t lds, int64_t n, const float* v, int64_t ldv, int64_t hd, const float* alpha,
+                float* o) {
   for (int64_t c = 0; c < hd; c += 64) {
     V acc[kRows][4];
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < 4; ++i) acc[r][i] = Load(o + r * hd + c + 16 * i) * alpha[r];
     for (int64_t j = 0; j < n; ++j) {
-      const float* vr = v + j * hd + c;
+      const float* vr = v + j * ldv + c;
       const V v0 = Load(vr), v1 = Load(vr + 16), v2 = Load(vr + 32), v3 = Load(vr + 48);
       for (int r = 0; r < kRows; ++r) {
         const V pv = Splat(p[r * lds + j]);
@@ -118,7 +120,7 @@ void Item(const Dims& d, int64_t bk, int64_t qb, const float* q, const float* kt
   }
   const int64_t n_cols = lim[rows - 1] + 1;                // the item's last row sees the most columns
   const float* ktb = kt + bk * hd * d.tp;
-  const float* vb = v + bk * d.tp * hd;
+  const float* vb = v + (b * d.t * d.kh + k) * hd;       // v [B, T, K, H]: rows K·H apart
   for (int64_t c0 = 0; c0 < n_cols; c0 += kBk) {
     const int64_t n = std::min(kBk, n_cols - c0), n16 = (n + 15) / 16 * 16, n64 = (n + 63) / 64 * 64;
     for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -154,7 +156,7 @@ void Item(const Dims& d, int64_t bk, int64_t qb, const float* q, const float* kt
         l[r0 + r] = l[r0 + r] * alpha[r] + total;
         m[r0 + r] = mx;
       }
-      ProbValues(s.data(), kBk, n, vb + c0 * hd, hd, alpha.data(), o.data() + r0 * hd);
+      ProbValues(s.data(), kBk, n, vb + c0 * d.kh * hd, d.kh * hd, hd, alpha.data(), o.data() + r0 * hd);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -169,10 +171,10 @@ ffi::Error Run(ffi::ThreadPool pool, float sm_scale, ffi::Buffer<ffi::F32> q, ff
   const auto qd = q.dimensions(), kd = kt.dimensions(), vd = v.dimensions(), ld = lengths.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 4 || ld.size() != 1)
     return ffi::Error::InvalidArgument(
-        "prefill_attention: q [B,T,N,H], kt [B,K,Tp/kBk,H,kBk], v [B,K,Tp,H], lengths [B]");
+        "prefill_attention: q [B,T,N,H], kt [B,K,Tp/kBk,H,kBk], v [B,T,K,H], lengths [B]");
   Dims d{qd[0], qd[1], qd[2], kd[1], 0, qd[3], kd[2] * kd[4]};
-  if (d.kh < 1 || d.n % d.kh || kd[0] != d.b || kd[3] != d.hd || kd[4] != kBk || vd[0] != d.b || vd[1] != d.kh ||
-      vd[2] != d.tp || vd[3] != d.hd || ld[0] != d.b)
+  if (d.kh < 1 || d.n % d.kh || kd[0] != d.b || kd[3] != d.hd || kd[4] != kBk || vd[0] != d.b || vd[1] != d.t ||
+      vd[2] != d.kh || vd[3] != d.hd || ld[0] != d.b)
     return ffi::Error::InvalidArgument("prefill_attention: shapes do not agree");
   if (d.hd % 64 || d.tp % kBk || d.tp < d.t)
     return ffi::Error::InvalidArgument("prefill_attention: H must be a multiple of 64 and Tp of " +
@@ -199,6 +201,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttention, Run,
                                   .Attr<float>("sm_scale")
                                   .Arg<ffi::Buffer<ffi::F32>>()    // q [B, T, N, H]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // kt [B, K, Tp/kBk, H, kBk]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // v [B, K, Tp, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // v [B, T, K, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // lengths [B]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, N, H]

@@ -54,8 +54,7 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float):
   b, _, kh, h = k_BTKH.shape
   k = jnp.pad(k_BTKH.astype(f32), ((0, 0), (0, pad), (0, 0), (0, 0)))                  # [B, Tp, K, H]
   kt = jnp.transpose(k.reshape(b, -1, KEY_BLOCK, kh, h), (0, 3, 1, 4, 2))               # [B, K, Tp/kBk, H, kBk]
-  v = jnp.pad(jnp.transpose(v_BTKH.astype(f32), (0, 2, 1, 3)), ((0, 0), (0, 0), (0, pad), (0, 0)))
-  out = _partitioned(float(sm_scale))(q_BTNH.astype(f32), kt, v, lengths_B.astype(jnp.int32))
+  out = _partitioned(float(sm_scale))(q_BTNH.astype(f32), kt, v_BTKH.astype(f32), lengths_B.astype(jnp.int32))
   return out.astype(q_BTNH.dtype)
 
 
@@ -86,5 +85,5 @@ def _call(sm_scale: float, q, kt, v, lengths):
 
 @functools.cache
 def _partitioned(sm_scale: float):
-  return ck.batch_partitioned(functools.partial(_call, sm_scale), "b t n h, b k c h j, b k s h, b -> b t n h", 1,
-                              ("t", "n", "h", "k", "c", "j", "s"))
+  return ck.batch_partitioned(functools.partial(_call, sm_scale), "b t n h, b k c h j, b t k h, b -> b t n h", 1,
+                              ("t", "n", "h", "k", "c", "j"))

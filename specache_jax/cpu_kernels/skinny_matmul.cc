@@ -183,14 +183,26 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
     n_items += p.col_blocks * p.row_parts;
     products.push_back(p);
   }
-  std::vector<float> parts(part_floats);
+  // The partial sums: a per-thread buffer kept between calls (every element an item reads it wrote first).
+  thread_local std::vector<float> parts_buf;
+  if (parts_buf.size() < static_cast<size_t>(part_floats)) parts_buf.resize(part_floats);
+  std::vector<int64_t> first_group(products.size() + 1, 0);      // "dn": groups (product, column block)
   for (int64_t i = 0, off = 0; i < static_cast<int64_t>(products.size()) && !nd; ++i) {
-    products[i].parts = parts.data() + off;
+    products[i].parts = parts_buf.data() + off;
     off += products[i].row_parts * m * products[i].n;
+    first_group[i + 1] = first_group[i] + products[i].col_blocks;
   }
+  // A group's row parts sum into y on the thread that finishes its last part (no serial pass after the items).
+  const int64_t n_groups = first_group.back();
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[std::max<int64_t>(n_groups, 1)]);
+  for (int64_t i = 0; i < static_cast<int64_t>(products.size()) && !nd; ++i)
+    for (int64_t c = 0; c < products[i].col_blocks; ++c)
+      left[first_group[i] + c].store(products[i].row_parts, std::memory_order_relaxed);
   const DnFn dn = ByRows::dn[m - 1];
   const NdFn ndf = ByRows::nd[m - 1];
   const Product* ps = products.data();
+  const int64_t* fg = first_group.data();
+  std::atomic<int64_t>* lp = left.get();
   const int64_t n_products = products.size();
   auto item_fn = [=](int64_t item) {
     int64_t j = n_products - 1;
@@ -204,18 +216,17 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
     const int64_t r = i / p.col_blocks, c = i % p.col_blocks;
     const int64_t d0 = std::min(d, r * p.rows_per_part);
     const int64_t d1 = r + 1 == p.row_parts ? d : std::min(d, (r + 1) * p.rows_per_part);
-    dn(xp, d, p.w, p.n, d0, d1, c * kColBlock, std::min(p.n, (c + 1) * kColBlock), p.parts + r * m * p.n);
+    const int64_t n0 = c * kColBlock, n1 = std::min(p.n, (c + 1) * kColBlock);
+    dn(xp, d, p.w, p.n, d0, d1, n0, n1, p.parts + r * m * p.n);
+    if (lp[fg[j] + c].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int64_t row = 0; row < m; ++row)
+      for (int64_t n = n0; n < n1; ++n) {
+        float s = p.parts[row * p.n + n];
+        for (int64_t q = 1; q < p.row_parts; ++q) s += p.parts[(q * m + row) * p.n + n];
+        p.y[row * p.n + n] = s;
+      }
   };
   specache_cpu::RunAll(pool, item_fn, n_items);   // returns once every item is done: `products` and `parts` outlive the items
-  if (!nd) {
-    for (const Product& p : products) {
-      for (int64_t i = 0; i < m * p.n; ++i) {
-        float s = p.parts[i];
-        for (int64_t r = 1; r < p.row_parts; ++r) s += p.parts[r * m * p.n + i];
-        p.y[i] = s;
-      }
-    }
-  }
   return ffi::Error::Success();
 }
 
