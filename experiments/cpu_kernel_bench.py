@@ -30,8 +30,8 @@ import numpy as np
 from absl import app, flags
 
 from configs import peer_bench as peer_bench_config
-from specache_jax import cpu_kernels as ck
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference as mixed_reference
+from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.bench import machine, models as bench_models, peer, states, throughput, timing

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 import specache_jax as sj
+from specache_jax import decode
 from specache_jax.caches import cache_config
 from specache_jax.decode import init_cache
+from specache_jax.model import decoder
 from specache_jax.model.decoder import forward_full
 from specache_jax.model.decoder import forward_jit as forward
 from tests.tiny import random_prompts, tiny_model
@@ -115,7 +117,6 @@ def test_prefill_in_row_chunks_equals_one_piece(chunk, monkeypatch):
   """A long prompt's per-row work runs in pieces of ROW_CHUNK rows of B·T (`decoder.in_row_chunks`): with
   pieces that split rows of the batch unevenly (and a remainder) the logits and the stored cache are those of
   one piece."""
-  from specache_jax.model import decoder
   model = tiny_model(seed=4)
   cfg, params = model.config, model.params
   toks, lens = sj.pad_prompts(random_prompts(5, [30, 19], cfg.vocab_size))
@@ -139,10 +140,9 @@ def test_prefill_in_row_chunks_equals_one_piece(chunk, monkeypatch):
                                            ("specache", dict(bits=1, group_size=8, residual=8, topk=8))],
                          ids=["full", "kivi", "specache"])
 def test_prefill_over_per_layer_states_equals_the_stacked_scan(name, settings):
-  """generate_jit prefills through the per-layer loop (per-layer weights and states); `prefill_cache` and the
-  tests' stacked caches through the layer scan: the same logits and the same cache, leaf by leaf."""
-  from specache_jax import decode
-  from specache_jax.model import decoder
+  """generate_jit prefills a prompt of one row chunk through the per-layer loop (per-layer weights and states);
+  `prefill_cache`, longer prompts and the tests' stacked caches through the layer scan: the same logits and the
+  same cache, leaf by leaf."""
   model = tiny_model(seed=4, n_layers=3)
   cfg, params = model.config, model.params
   method = cache_config(name, **settings)
@@ -164,8 +164,6 @@ def test_prefill_over_per_layer_states_equals_the_stacked_scan(name, settings):
 def test_prompts_past_one_row_chunk_prefill_through_the_stacked_scan(monkeypatch):
   """`decode.prefill_layout`: per-layer weights and states only while a prompt's rows fit one row chunk (past it,
   XLA keeps each layer's row-chunk loop buffers apart: several times the scan's temporaries)."""
-  from specache_jax import decode
-  from specache_jax.model import decoder
   model = tiny_model(seed=4, n_layers=3)
   params = model.params
   layer_params = decoder.unstack_params(params, 3)

@@ -226,7 +226,8 @@ ffi::Error Run(ffi::ThreadPool pool, bool nd, ffi::Buffer<ffi::F32> x, ffi::Rema
         p.y[row * p.n + n] = s;
       }
   };
-  specache_cpu::RunAll(pool, item_fn, n_items);   // returns once every item is done: `products` and `parts` outlive the items
+  // RunAll returns once every item is done: `products`, `first_group`, `left` and `parts_buf` outlive the items
+  specache_cpu::RunAll(pool, item_fn, n_items);
   return ffi::Error::Success();
 }
 
