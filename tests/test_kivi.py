@@ -1,4 +1,5 @@
 """KIVI through the shared low-bit store: 8-bit is close to full; the window rules hold."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,26 +28,30 @@ def test_ring_positions_hold_the_last_window():
   assert pos.tolist() == [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]]
 
 
-@pytest.mark.parametrize("t", [1, 2, 8])
-def test_ring_before_gives_back_the_ring_as_it_was_before_the_appends(t):
-  """The steps keep only the slots the appends overwrite (`ring_rows_at`) and rebuild the old ring from the new
-  one (`ring_before`), so the ring is written in place: the rebuilt ring equals the old one exactly, on ragged
-  rows (one wrapping past the ring's end, one at length 0)."""
+@pytest.mark.parametrize("t", [1, 3, 8, 11])
+def test_storing_rows_codes_first_and_ring_after_equals_appending_them_one_by_one(t):
+  """The steps store T rows' codes (`store_codes`: value codes, and key windows flushed from the ring with the
+  rows put in) while the ring stays as it was, then write the ring (`store_ring`) after the attention read it:
+  the same cache as T appends one after the other — on ragged rows (one wrapping past the ring's end, one at
+  length 0), with windows filling at different rows (t = 11 > R rewrites ring slots within the step)."""
   rng = np.random.default_rng(t)
   b, n_kv, residual, h = 3, 2, 8, 16
+  qargs = dict(bits=2, group_size=8, residual=residual, one_bit="kivi")
   st = lowbit.init(b, n_kv, 64, h, 2, 8, residual, jnp.float32)
   st = st.replace(ring_k=jnp.asarray(rng.standard_normal((b, n_kv, residual, h)), jnp.float32),
                   ring_v=jnp.asarray(rng.standard_normal((b, n_kv, residual, h)), jnp.float32))
   lengths = jnp.asarray([13, 0, 30], jnp.int32)
-  saved = lowbit.ring_rows_at(st, lengths, t)
-  new = st
+  k, v = (jnp.asarray(rng.standard_normal((b, n_kv, t, h)), jnp.float32) for _ in range(2))
+  one_by_one = st
   for i in range(t):
-    k, v = (jnp.asarray(rng.standard_normal((b, n_kv, h)), jnp.float32) for _ in range(2))
-    new = lowbit.append(new, k, v, lengths + i, bits=2, group_size=8, residual=residual, one_bit="kivi")
-  assert not np.array_equal(np.asarray(new.ring_k), np.asarray(st.ring_k))
-  ring_k, ring_v = lowbit.ring_before(new, saved, lengths)
-  np.testing.assert_array_equal(np.asarray(ring_k), np.asarray(st.ring_k))
-  np.testing.assert_array_equal(np.asarray(ring_v), np.asarray(st.ring_v))
+    one_by_one = lowbit.append(one_by_one, k[:, :, i], v[:, :, i], lengths + i, **qargs)
+  codes_only = lowbit.store_codes(st, k, v, lengths, **qargs)
+  np.testing.assert_array_equal(np.asarray(codes_only.ring_k), np.asarray(st.ring_k))
+  together = lowbit.store_ring(codes_only, k, v, lengths, after=codes_only.k_codes)
+  for name, a, e in zip(lowbit.LowBit.__dataclass_fields__, jax.tree.leaves(together), jax.tree.leaves(one_by_one)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+  flushed = bool(((np.asarray(lengths)[:, None] + np.arange(1, t + 1)[None, :]) % residual == 0).any())
+  assert flushed == (t >= 3)              # the windows of rows 0 and 2 fill within 3 rows; row 1's at 8
 
 
 def test_kivi_error_shrinks_with_bits_and_8_bit_is_close_to_full():

@@ -76,21 +76,16 @@ def prefill(method: KiviConfig, st: State, k, v, lengths, colsum=None) -> State:
 def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
   """The new rows over the low-bit copy, the 16-bit ring and each other (causal); all T rows are stored.
 
-  The rows are stored first (the big code buffers are then written in place: this step reads positions below
-  the old quantization boundaries, which the new rows' codes never touch) and attention reads the ring as it
-  was before them."""
+  The rows' codes are stored first (the big code buffers are then written in place: this step reads positions
+  below the old quantization boundaries, which the new rows' codes never touch); attention reads the ring as it
+  was before them, and the rows go into it after (`lowbit.store_ring`)."""
   b, t, _, _ = q.shape
   n_kv = k_new.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  saved = lowbit.ring_rows_at(st.low, lengths, min(t, method.residual))   # the ring is then updated in place
-  low = st.low
-  for i in range(t):
-    low = lowbit.append(low, kn[:, :, i], vn[:, :, i], lengths + i, **method.qargs)
-  old_ring = lowbit.ring_before(low, saved, lengths)
-  view = low.replace(ring_k=old_ring[0], ring_v=old_ring[1])
+  low = lowbit.store_codes(st.low, kn, vn, lengths, **method.qargs)
   s = low.k_codes.shape[2]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
-  ring_k, ring_v, ring_pos = lowbit.ring_segment(view, lengths, bits=method.bits, group_size=method.group_size,
+  ring_k, ring_v, ring_pos = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,
                                                  residual=method.residual)
   ring_mask = (ring_pos >= 0)[:, :, None, :]                            # [B, K, 1, R]
   ring_mask = jnp.broadcast_to(ring_mask, (b, n_kv, t, method.residual))
@@ -113,7 +108,7 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
 
   # XLA:CPU: the fused kernel (its probabilities unused); a program lowered for another platform keeps jnp
   out = ck.on_cpu(cpu_attention.applies(method.bits, method.group_size, q.shape[-1]), kernel_attention, jnp_attention)
-  return out, State(low=low), {}
+  return out, State(low=lowbit.store_ring(low, kn, vn, lengths, after=out)), {}
 
 
 def device_bytes(method, st: State) -> int:

@@ -62,31 +62,6 @@ def ring_positions(lengths_B, residual: int):
   return jnp.where(pos >= 0, pos, -1)
 
 
-def ring_rows_at(st: LowBit, lengths_B, t: int):
-  """(keys, values) [B, K, t, H]: the ring slots that appending t rows at lengths[b].. will overwrite (t <= R;
-  more rows only overwrite the same R slots again, so min(rows, R) saves them all). Saved before the appends,
-  they give back the ring as it was (`ring_before`), so the appends update the
-  ring in place: with the whole old ring still read afterwards, XLA would copy it (4 ring copies per layer and
-  step, ~9 ms of a SmolLM2 8k batch-4 SpeCache step)."""
-  residual = st.ring_k.shape[2]
-  slots = jnp.mod(lengths_B[:, None] + jnp.arange(t)[None, :], residual)[:, None, :, None]   # [B, 1, t, 1]
-  return (jnp.take_along_axis(st.ring_k, slots, axis=2), jnp.take_along_axis(st.ring_v, slots, axis=2))
-
-
-def ring_before(st: LowBit, saved, lengths_B):
-  """(ring_k, ring_v) as they were before rows were appended at lengths[b]..: st's ring with the overwritten
-  slots given their saved rows (`ring_rows_at`) back — the same values, as an expression XLA fuses into its
-  readers."""
-  residual = st.ring_k.shape[2]
-  slot = jnp.arange(residual)[None, None, :, None]
-  ring_k, ring_v = st.ring_k, st.ring_v
-  for i in range(saved[0].shape[2]):
-    hit = slot == jnp.mod(lengths_B + i, residual)[:, None, None, None]              # [B, 1, R, 1]
-    ring_k = jnp.where(hit, saved[0][:, :, i:i + 1], ring_k)
-    ring_v = jnp.where(hit, saved[1][:, :, i:i + 1], ring_v)
-  return ring_k, ring_v
-
-
 def _update_rows(buf, rows, start_B, enable_B):
   """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged); one in-place
   `dynamic_update_slice` per batch row (see attention.write_rows)."""
@@ -98,14 +73,21 @@ def _update_rows(buf, rows, start_B, enable_B):
   return buf
 
 
-def _flushed_keys(ring_k, any_flush, bits, group_size, one_bit, dtype):
-  """The ring's keys quantized (what a flush writes). On CPU only computed when some row flushes (a `lax.cond`:
-  the quantization of the whole ring was ~2 ms of a 44 ms SmolLM2 step, needed one step in R); elsewhere always
-  (a GPU conditional copies its predicate to the host and waits)."""
-  quantize = lambda r: quant.quantize_keys(r, bits, group_size, one_bit, dtype=dtype)   # noqa: E731
-  skip = lambda r: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(quantize, r))  # noqa: E731
+def _flushed_keys(ring_k, rows_BKIH, lengths_B, any_flush, bits, group_size, one_bit, dtype):
+  """The keys of the ring with rows [B, K, I, H] put in at slots (lengths[b] + i) % R, quantized (what a
+  flush writes). On CPU only computed when some row flushes (a `lax.cond`: the quantization of the whole ring
+  was ~2 ms of a 44 ms SmolLM2 step, needed one step in R); elsewhere always (a GPU conditional copies its
+  predicate to the host and waits)."""
+  def quantize(ring, rows):
+    slot = jnp.arange(ring.shape[2])[None, None, :, None]
+    for i in range(rows.shape[2]):
+      hit = slot == jnp.mod(lengths_B + i, ring.shape[2])[:, None, None, None]
+      ring = jnp.where(hit, rows[:, :, i:i + 1].astype(ring.dtype), ring)
+    return quant.quantize_keys(ring, bits, group_size, one_bit, dtype=dtype)
+  skip = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(quantize, *a))  # noqa: E731
   return jax.lax.platform_dependent(
-      ring_k, any_flush, cpu=lambda r, f: jax.lax.cond(f, quantize, skip, r), default=lambda r, f: quantize(r))
+      ring_k, rows_BKIH, any_flush, cpu=lambda r, n, f: jax.lax.cond(f, quantize, skip, r, n),
+      default=lambda r, n, f: quantize(r, n))
 
 
 def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
@@ -132,26 +114,51 @@ def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual
       ring_v=A.gather_rows(v_BKTH, idx).astype(st.ring_v.dtype))
 
 
-def append(st: LowBit, k_BKH, v_BKH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
-  """Store one new row per batch row at position lengths[b]; flush the key window when it fills."""
-  b, n_kv, h = k_BKH.shape
-  pos = lengths_B
-  slot = jnp.mod(pos, residual)
-  ring_k = A.write_rows(st.ring_k, k_BKH[:, :, None], slot)
-  ring_v = A.write_rows(st.ring_v, v_BKH[:, :, None], slot)
-  qv = quant.quantize_values(v_BKH[:, :, None], bits, group_size, one_bit, dtype=st.v_scale.dtype)
-  v_codes = A.write_rows(st.v_codes, qv.codes, pos)
-  v_scale = A.write_rows(st.v_scale, qv.scale, pos)
-  v_zero = A.write_rows(st.v_zero, qv.zero, pos)
-  new_len = pos + 1
-  flush = jnp.mod(new_len, residual) == 0                              # ring holds [new_len - R, new_len)
-  start = jnp.maximum(new_len - residual, 0)
-  qk = _flushed_keys(ring_k, jnp.any(flush), bits, group_size, one_bit, st.k_scale.dtype)
-  return LowBit(
-      k_codes=_update_rows(st.k_codes, qk.codes, start, flush),
-      k_scale=_update_rows(st.k_scale, qk.scale, start // group_size, flush),
-      k_zero=_update_rows(st.k_zero, qk.zero, start // group_size, flush),
-      v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, ring_k=ring_k, ring_v=ring_v)
+def store_codes(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
+  """Store T new rows per batch row at positions lengths[b].. in the low-bit copy: each row's value codes, and
+  the key window's codes when a row fills it (quantized from the ring with the rows up to that one put in).
+  The ring itself is left as it was: the caller reads it, then writes the rows with `store_ring`."""
+  t = k_BKTH.shape[2]
+  for i in range(t):
+    pos = lengths_B + i
+    qv = quant.quantize_values(v_BKTH[:, :, i:i + 1], bits, group_size, one_bit, dtype=st.v_scale.dtype)
+    st = st.replace(v_codes=A.write_rows(st.v_codes, qv.codes, pos), v_scale=A.write_rows(st.v_scale, qv.scale, pos),
+                    v_zero=A.write_rows(st.v_zero, qv.zero, pos))
+    new_len = pos + 1
+    flush = jnp.mod(new_len, residual) == 0                            # the ring holds [new_len - R, new_len)
+    start = jnp.maximum(new_len - residual, 0)
+    qk = _flushed_keys(st.ring_k, k_BKTH[:, :, :i + 1], lengths_B, jnp.any(flush), bits, group_size, one_bit,
+                       st.k_scale.dtype)
+    st = st.replace(k_codes=_update_rows(st.k_codes, qk.codes, start, flush),
+                    k_scale=_update_rows(st.k_scale, qk.scale, start // group_size, flush),
+                    k_zero=_update_rows(st.k_zero, qk.zero, start // group_size, flush))
+  return st
+
+
+def store_ring(st: LowBit, k_BKTH, v_BKTH, lengths_B, after=None) -> LowBit:
+  """Write T new rows into the ring at slots (lengths[b] + i) % R, in place, ordered after `after` (any array
+  computed from the old ring): the rows are multiplied by a 1 that XLA cannot prove is 1 without `after`.
+  Without such a data dependency XLA copies the ring (twice per layer and step) to keep its old readers
+  correct, and an `optimization_barrier` does not prevent the copies (XLA:CPU, measured)."""
+  if after is not None:
+    one = 1.0 + 0.0 * jnp.isnan(jnp.ravel(after)[0]).astype(k_BKTH.dtype)
+    k_BKTH, v_BKTH = k_BKTH * one, v_BKTH * one
+  residual = st.ring_k.shape[2]
+  ring_k, ring_v = st.ring_k, st.ring_v
+  for i in range(k_BKTH.shape[2]):
+    slot = jnp.mod(lengths_B + i, residual)
+    for b in range(k_BKTH.shape[0]):      # one in-place dynamic_update_slice per batch row (see A.write_rows)
+      ring_k = jax.lax.dynamic_update_slice(ring_k, k_BKTH[b:b + 1, :, i:i + 1].astype(ring_k.dtype),
+                                            (b, 0, slot[b], 0))
+      ring_v = jax.lax.dynamic_update_slice(ring_v, v_BKTH[b:b + 1, :, i:i + 1].astype(ring_v.dtype),
+                                            (b, 0, slot[b], 0))
+  return st.replace(ring_k=ring_k, ring_v=ring_v)
+
+
+def append(st: LowBit, k_BKH, v_BKH, lengths_B, **qargs) -> LowBit:
+  """Store one new row per batch row at position lengths[b] (codes and ring), nothing read in between."""
+  k, v = k_BKH[:, :, None], v_BKH[:, :, None]
+  return store_ring(store_codes(st, k, v, lengths_B, **qargs), k, v, lengths_B)
 
 
 def packed_segment(st: LowBit, mask, *, bits, group_size) -> A.Computed:

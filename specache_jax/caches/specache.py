@@ -404,8 +404,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
 
 
 def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
-  """Append the real row: quantized/residual on the device, 16-bit to the (simulated) host."""
-  st = st.replace(low=lowbit.append(st.low, k_BKH, v_BKH, lengths, **method.qargs))
+  """Store the real row, all but the ring (written after the attention: `lowbit.store_ring`): quantized on the
+  device, 16-bit to the (simulated) host."""
+  st = st.replace(low=lowbit.store_codes(st.low, k_BKH[:, :, None], v_BKH[:, :, None], lengths, **method.qargs))
   if not method.offload:
     st = st.replace(k16=A.write_rows(st.k16, k_BKH[:, :, None], lengths),
                     v16=A.write_rows(st.v16, v_BKH[:, :, None], lengths))
@@ -546,17 +547,19 @@ def _with_spec_query(method: SpeCacheConfig, st: State, q):
 
 
 def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
-  """One SpeCache decoding step for one layer: store the real row (device: low-bit + ring; simulated: also
-  the 16-bit copy), then (1) κ_t — prefetched, or chosen now on the critical path — (2) attend, (3) select
-  κ_{t+1} and fetch it. Offloaded, the runtime does the fetches of (1) and (3) with its host store;
-  simulated, `_fetch` gathers on the device. Storing first lets every big buffer be updated in place: what
-  this step reads of them (positions < lengths) is not what it writes."""
-  saved = lowbit.ring_rows_at(st.low, lengths, 1)
+  """One SpeCache decoding step for one layer: store the real row (device: low-bit; simulated: also the 16-bit
+  copy), then (1) κ_t — prefetched, or chosen now on the critical path — (2) attend, (3) select κ_{t+1} and
+  fetch it, and put the row in the ring. Offloaded, the runtime does the fetches of (1) and (3) with its host
+  store; simulated, `_fetch` gathers on the device. Storing first lets every big buffer be updated in place:
+  what this step reads of them (positions < lengths) is not what it writes; the ring, which the attention
+  reads whole, is written after it (`lowbit.store_ring`)."""
+  ring = (st.low.ring_k, st.low.ring_v)
   st = store(method, st, k_new[:, 0], v_new[:, 0], lengths)
-  ring = lowbit.ring_before(st.low, saved, lengths)
   if fetches_on_critical_path(method) and not method.offload:
     st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths, ring))
   out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths, ring)
+  st = st.replace(low=lowbit.store_ring(st.low, k_new[:, 0, :, None], v_new[:, 0, :, None], lengths,
+                                                 after=out))
   if method.speculative:
     st = _fetch(method, st, st.kappa)
   return out, st, aux
