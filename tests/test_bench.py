@@ -221,12 +221,15 @@ def test_resident_store_answers_with_the_rows_it_holds(model):
   np.testing.assert_array_equal(np.asarray(drv.rt.states[group[0]].fetched_k), np.asarray(first[0]))
 
 
-def test_overlap_subprocess_runs_single_threaded_xla():
+def test_overlap_subprocess_runs_single_threaded_xla_on_one_cpu():
+  """XLA's threads on one CPU (pin_xla), so the host store's worker has the others."""
   settings = dict(model="random:tiny", dtype="", seed=0, method=dict(SMALL, offload=True), context=64, batch=1,
-                  steps=1, rounds=1, warmup=3, margin=16, nonspeculative=False, stores=["pinned_host", "numpy"])
+                  steps=1, rounds=1, warmup=3, margin=16, nonspeculative=False, stores=["pinned_host", "numpy"],
+                  pin_xla=True)
   out = overlap.run_subprocess(settings, single_thread=True, timeout_s=240)
   assert "skipped" not in out, out
   assert overlap.SINGLE_THREAD_XLA in out["xla_flags"]
+  assert len(out["xla_cpus"]) == 1 and out["xla_thread_cpus"] == [str(out["xla_cpus"][0])], out
   assert list(out["stores"]) == ["pinned_host", "numpy"]
   for st in out["stores"].values():
     assert st["store"] in ("pinned_host", "numpy") and 0.0 <= st["fraction_hidden"] <= 1.0

@@ -12,14 +12,18 @@ step here, so a shared machine's round-to-round noise in a and c moves the fract
 measured: the time the dispatching thread spends just issuing (b) — that part sits on the step's critical path
 whatever the transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`:
 dispatching the per-group programs and issuing the fetches, not its waits), reported per layer. Each host store
-configured is measured separately. On a CPU the overlap only shows with single-threaded XLA, so
-`run_configured` measures in a subprocess with XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" (ENVIRONMENT.md).
+configured is measured separately. On a CPU the overlap only shows with XLA computing on one core and the host
+store's worker on another, so `run_configured` measures in a subprocess with XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1" (ENVIRONMENT.md) whose XLA threads are pinned to one CPU (`pin_xla_threads`):
+those flags alone keep each op on one thread, but XLA:CPU's thunk executor still ran independent ops on a second
+thread (a profile showed two XLA threads each busy ~35 ms of an ~80 ms step), leaving the worker no core.
 
   python -m specache_jax.bench.overlap '<json settings>'    # the subprocess entry: prints one JSON line
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import statistics
@@ -36,6 +40,35 @@ from specache_jax.bench.common import RuntimeDriver, random_prompts
 from specache_jax.caches import cache_config
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def pin_xla_threads() -> set[int]:
+  """Create the CPU backend with this thread pinned to one CPU, then unpin it: XLA's threads (created with the
+  client, inheriting the affinity) stay on that CPU, and threads started later (the host store's worker) may use
+  every CPU. Must run before anything initialises the backend. Linux only. -> the CPU XLA keeps."""
+  cpus = os.sched_getaffinity(0)
+  one = {min(cpus)}
+  os.sched_setaffinity(0, one)
+  try:
+    jax.devices()
+  finally:
+    os.sched_setaffinity(0, cpus)
+  return one
+
+
+def xla_thread_cpus() -> list[str]:
+  """The CPU lists (Linux's Cpus_allowed_list) of this process's XLA threads (named tf_XLA*), deduplicated."""
+  found = set()
+  for task in glob.glob("/proc/self/task/*"):
+    try:
+      with open(f"{task}/comm") as f:
+        if not f.read().startswith("tf_XLA"):
+          continue
+      with open(f"{task}/status") as f:
+        found.update(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+    except OSError:                 # the thread ended meanwhile
+      continue
+  return sorted(found)
 
 
 class ResidentStore:
@@ -214,11 +247,16 @@ def run_configured(config, log=print) -> dict:
                   nonspeculative=o.nonspeculative, stores=list(o.stores))
   log(f"overlap: {settings}")
   if o.subprocess:
-    return run_subprocess(settings, o.single_thread_xla and jax.default_backend() == "cpu", o.timeout_s)
+    single = o.single_thread_xla and jax.default_backend() == "cpu"
+    return run_subprocess(dict(settings, pin_xla=single and hasattr(os, "sched_setaffinity")), single, o.timeout_s)
   return main_settings(settings)
 
 
 if __name__ == "__main__":
   if len(sys.argv) != 2:
     raise SystemExit("usage: python -m specache_jax.bench.overlap '<json settings>'")
-  print(json.dumps(main_settings(json.loads(sys.argv[1]))), flush=True)
+  settings = json.loads(sys.argv[1])
+  pinned = pin_xla_threads() if settings.get("pin_xla") else None
+  out = main_settings(settings)
+  out.update(xla_cpus=sorted(pinned) if pinned else None, xla_thread_cpus=xla_thread_cpus())
+  print(json.dumps(out), flush=True)
