@@ -274,13 +274,26 @@ class PinnedHostStore:
 def take_rows(buf_LBKSH: np.ndarray, idx_BKX: np.ndarray) -> np.ndarray:
   """Rows of buf [..., B, K, S, H] (any leading axes, e.g. layers and K/V stacked) at slots idx [..., B, K, X]
   (broadcast against the leading axes, e.g. [G, 1, B, K, X] for the same κ for K and V; clipped into range, as
-  `attention.gather_rows`) -> a new [..., B, K, X, H] array. One `np.take` of whole rows over the flattened
-  [rows, H] view: np.take_along_axis builds an index per element (~6x slower here, ~15 ms of a 2-core CPU per
-  step at 30 layers, competing with the step's compute)."""
+  `attention.gather_rows`) -> a new [..., B, K, X, H] array, 64-byte aligned (`aligned_empty`). One `np.take` of
+  whole rows over the flattened [rows, H] view, straight into the new array (mode="clip": with the default
+  mode numpy gathers into a temporary first): np.take_along_axis builds an index per element (~6x slower here,
+  ~15 ms of a 2-core CPU per step at 30 layers, competing with the step's compute)."""
   *lead, s, h = buf_LBKSH.shape
   n = int(np.prod(lead))
   flat = np.arange(n, dtype=np.int64).reshape(tuple(lead) + (1,)) * s + np.clip(idx_BKX, 0, s - 1)
-  return np.take(buf_LBKSH.reshape(n * s, h), flat.reshape(-1), axis=0).reshape(flat.shape + (h,))
+  out = aligned_empty(flat.shape + (h,), buf_LBKSH.dtype)
+  np.take(buf_LBKSH.reshape(n * s, h), flat.reshape(-1), axis=0, out=out.reshape(-1, h), mode="clip")
+  return out
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+  """np.empty whose data starts at a multiple of `align` bytes: XLA:CPU's `device_put(..., may_alias=True)` then
+  uses the array's memory as the device buffer instead of copying it (it copies a less aligned array)."""
+  dtype = np.dtype(dtype)
+  size = int(np.prod(shape))
+  raw = np.empty(size * dtype.itemsize + align, np.uint8)
+  off = -raw.ctypes.data % align
+  return raw[off:off + size * dtype.itemsize].view(dtype).reshape(shape)
 
 
 class NumpyHostStore:
@@ -324,7 +337,9 @@ class NumpyHostStore:
     def job():
       idx = np.stack([np.asarray(k) for k in kappas_BKX])[:, None]                # [G, 1, B, K, X]
       rows = take_rows(self._kv[layers[0]:layers[-1] + 1], idx)                   # [G, 2, B, K, X, H]
-      return jax.device_put(rows, self.on_device_kv)
+      # a new array, never written again: on the CPU backend the device array may be it (no second copy of
+      # the block, which slowed the step's compute: results/throughput_cpu.md); elsewhere a host -> device copy
+      return jax.device_put(rows, self.on_device_kv, may_alias=True)
     return self._pool.submit(job)
 
   def arrays(self):

@@ -311,6 +311,24 @@ def test_numpy_store_fetches_a_group_of_layers_as_one_block():
   store.close()
 
 
+def test_gathered_rows_become_the_device_array_without_a_copy_on_cpu():
+  """take_rows gathers into a new 64-byte-aligned array (clipped slots as attention.gather_rows), which the CPU
+  backend's device_put(may_alias=True) uses as the device buffer itself: the fetch copies each row once."""
+  rs = np.random.RandomState(0)
+  buf = rs.randn(2, 3, 40, 16).astype(np.float32)
+  idx = rs.randint(-3, 45, size=(2, 3, 7))
+  rows = offload.take_rows(buf, idx)
+  assert rows.ctypes.data % 64 == 0
+  np.testing.assert_array_equal(rows, np.take_along_axis(buf, np.clip(idx, 0, 39)[..., None], axis=2))
+  for shape in [(5,), (3, 7, 9), (0, 4)]:
+    a = offload.aligned_empty(shape, np.float32)
+    assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous
+    assert a.size == 0 or a.ctypes.data % 64 == 0
+  if jax.default_backend() == "cpu":
+    on_device = jax.device_put(rows, jax.devices()[0], may_alias=True)
+    assert on_device.unsafe_buffer_pointer() == rows.ctypes.data
+
+
 @pytest.mark.parametrize("groups", [0, -1, 1.5, True])
 def test_dispatch_groups_must_be_a_positive_int(groups):
   model = _model()
