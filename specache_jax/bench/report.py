@@ -109,14 +109,18 @@ def throughput_markdown(result: dict) -> str:
     else:
       stores = ov["stores"]
       any_ = next(iter(stores.values()))
-      lines += [f"S={any_['context']}, B={any_['batch']}, XLA_FLAGS=`{ov['xla_flags']}`, {any_['rounds']} rounds "
-                f"of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
+      pinned = (f", XLA's threads pinned to CPU {ov['xla_cpus']} (their affinity: {ov.get('xla_thread_cpus')})"
+                if ov.get("xla_cpus") else "")
+      lines += [f"S={any_['context']}, B={any_['batch']}, XLA_FLAGS=`{ov['xla_flags']}`{pinned}, {any_['rounds']} "
+                f"rounds of {any_['steps']} steps (medians), model {ov.get('model')}.", "",
                 "(a) compute alone: the offloaded step's own programs with every fetch answered by a block of "
                 "rows held on the device (rows installed; no host gather, transfer or wait); (b) fetch alone: every layer group's host gather "
                 "+ `device_put`, blocked; (c) the pipelined step; issue: the part of (b) the dispatching thread "
                 "spends issuing the fetches; the dispatching thread's CPU: `time.thread_time` inside (c)'s step "
                 "(per-group program dispatch and fetch issue, not its waits). Under these XLA flags the CPU "
-                "kernels run on one thread too, so the host store's worker has the other core. "
+                "kernels run on one thread too, and with XLA's threads pinned to one CPU (the flags alone left "
+                "XLA:CPU's thunk executor running independent ops on a second thread) the host store's worker "
+                "has the other core. "
                 "Fraction hidden = (a + b − c) / b from each round's own a, b, c (a and c back to back, in "
                 "alternating order), the median over rounds, clipped to [0, 1]; in brackets a 90% bootstrap "
                 "interval of that median (b is a few % of a step: the machine's round-to-round noise in a and c "
