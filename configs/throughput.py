@@ -44,7 +44,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.overlap.stores = ("pinned_host", "numpy")   # host stores to measure (offload.py), one runtime each
   c.overlap.nonspeculative = True   # also time the non-speculative step under the same XLA flags
   c.overlap.subprocess = True       # a fresh process (so XLA_FLAGS can differ from this one's)
-  c.overlap.single_thread_xla = True  # on a CPU backend: single-threaded XLA in that process
+  c.overlap.single_thread_xla = True  # on a CPU backend: single-threaded XLA in that process, its threads on one CPU
   c.overlap.timeout_s = 900
   c.out = "results/throughput_cpu"  # writes <out>.json and <out>.md
   if arg == "gpu":

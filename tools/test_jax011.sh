@@ -5,7 +5,7 @@
 # installs them (`python -m specache_jax.assets install`, which skips what is there).
 #
 #   bash tools/test_jax011.sh                      # the offload, kernel and sharding tests (default)
-#   bash tools/test_jax011.sh tests                # the whole suite
+#   bash tools/test_jax011.sh tests                # the whole suite (-n 2 tests: on two workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY312=${PY312:-$(ls -d /root/.pyenv/versions/3.12*/bin/python 2>/dev/null | head -1)}
@@ -15,7 +15,7 @@ if [ ! -x .venv312/bin/python ]; then
   .venv312/bin/pip install -q --upgrade pip
   grep -v -E "^(jax|jaxlib)==|^#|^$" requirements.txt > .venv312/requirements-jax011.txt
   .venv312/bin/pip install -q "jax==0.11.2" "jaxlib==0.11.2" -r .venv312/requirements-jax011.txt \
-      pytest==9.2.0 hypothesis==6.170.17 chex==0.1.92 nbformat==5.10.4 build==1.6.1
+      pytest==9.2.0 pytest-xdist==3.8.0 hypothesis==6.170.17 chex==0.1.92 nbformat==5.10.4 build==1.6.1
   .venv312/bin/pip install -q --no-deps -e .
 fi
 .venv312/bin/python -m specache_jax.assets install >/dev/null

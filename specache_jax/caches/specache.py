@@ -320,7 +320,7 @@ def _membership(pos_BKY, set_BKX):
 
 
 def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
-                    ring=None, rows: tuple[int, ...] = (-1,)):
+                    rows: tuple[int, ...] = (-1,)):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit; with use_kappa and lowbit_in_output=False the output attends κ, the ring and the new rows only,
   the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of
@@ -329,10 +329,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the last
   len(rows) rows in order.
 
-  ring: (ring_k, ring_v) as they were before this step's row was stored (`attend` stores first, so the big
-  buffers are written in place; the codes it wrote are at positions this attention masks); default st's."""
-  if ring is not None:
-    st = st.replace(low=st.low.replace(ring_k=ring[0], ring_v=ring[1]))
+  st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
+  are written in place — the codes it wrote are at positions this attention masks — and the ring after)."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
   key_qlen, val_qlen = lowbit.boundaries(lengths, method.residual)
@@ -484,11 +482,11 @@ def corrected_heads(method: SpeCacheConfig, st: State, q):
   return use
 
 
-def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
+def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   """κ_t for this step's attention, chosen now from the real row (step 1 of a SpeCache step): the real row's own
   low-bit top-k for the `corrected_heads`, the prefetched κ_t for the others. Only called when
   `fetches_on_critical_path(method)`."""
-  real = choose_nonspeculative(method, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths, ring)
+  real = choose_nonspeculative(method, st, q[:, :1], k_new[:, :1], v_new[:, :1], lengths)
   return jnp.where(corrected_heads(method, st, q)[..., None], real, st.kappa)
 
 
@@ -514,9 +512,9 @@ def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
   return select(method, spec, lengths + 1)
 
 
-def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring):
-  """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row already
-  stored (`ring`: the ring before it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
+def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
+  """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row's codes already
+  stored (the ring still without it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
   κ_{t+1} (`_next_kappa`: the speculative row's top-k, part of it the real row's with hedge; recorded in
   `st.kappa`, fetched by the caller). -> (out [B,T,N,H], st, aux)
 
@@ -528,7 +526,7 @@ def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, 
     aux["sync_fetch_heads"] = jnp.mean(corrected_heads(method, st, q).astype(jnp.float32), axis=1)
     aux["sync_fetch_count"] = jnp.ones(lengths.shape, jnp.float32)
   aux.update(_hit_stats(method, st, q, lengths, st.kappa))
-  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True, ring=ring,
+  out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True,
                                rows=_probability_rows(method))
   if method.speculative:
     st = _with_spec_query(method, st.replace(kappa=_next_kappa(method, probs, lengths)), q)
@@ -553,13 +551,11 @@ def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   store; simulated, `_fetch` gathers on the device. Storing first lets every big buffer be updated in place:
   what this step reads of them (positions < lengths) is not what it writes; the ring, which the attention
   reads whole, is written after it (`lowbit.store_ring`)."""
-  ring = (st.low.ring_k, st.low.ring_v)
   st = store(method, st, k_new[:, 0], v_new[:, 0], lengths)
   if fetches_on_critical_path(method) and not method.offload:
-    st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths, ring))
-  out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths, ring)
-  st = st.replace(low=lowbit.store_ring(st.low, k_new[:, 0, :, None], v_new[:, 0, :, None], lengths,
-                                                 after=out))
+    st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths))
+  out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths)
+  st = st.replace(low=lowbit.store_ring(st.low, k_new[:, 0, :, None], v_new[:, 0, :, None], lengths, after=out))
   if method.speculative:
     st = _fetch(method, st, st.kappa)
   return out, st, aux
@@ -573,11 +569,11 @@ def observe_speculation(method: SpeCacheConfig, st: State, miss_B) -> State:
   return st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
 
 
-def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths, ring=None):
+def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions (with
   correct_with_fetched, the rows of st.kappa scored from their fetched 16-bit keys)."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched, ring=ring)
+  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched)
   return select(method, probs[:, :, -1], lengths)
 
 
