@@ -45,7 +45,7 @@ def test_storing_rows_codes_first_and_ring_after_equals_appending_them_one_by_on
   one_by_one = st
   for i in range(t):
     one_by_one = lowbit.append(one_by_one, k[:, :, i], v[:, :, i], lengths + i, **qargs)
-  codes_only = lowbit.store_codes(st, k, v, lengths, **qargs)
+  codes_only, _ = lowbit.store_codes(st, k, v, lengths, **qargs)
   np.testing.assert_array_equal(np.asarray(codes_only.ring_k), np.asarray(st.ring_k))
   together = lowbit.store_ring(codes_only, k, v, lengths, after=codes_only.k_codes)
   for name, a, e in zip(lowbit.LowBit.__dataclass_fields__, jax.tree.leaves(together), jax.tree.leaves(one_by_one)):

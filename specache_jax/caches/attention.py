@@ -135,25 +135,43 @@ def read_before_write(result, state):
 def write_rows(buf_BKSX, rows_BKTX, start_B):
   """Write rows [B, K, T, X] into buf [B, K, S, X] at slot start[b] per batch row (start must be >= 0).
 
-  One `dynamic_update_slice` per batch row (B is static): a vmapped update becomes a scatter, which XLA:CPU
-  runs as a loop over the WHOLE buffer (measured: a full-cache step at 8k took 4x longer). The updates sit
-  inside a `lax.cond` (its predicate, start >= 0, always holds): the conditional is a fusion barrier, so the
-  update runs in place on the buffer itself. Without it XLA fuses the update into the readers that follow
-  (an attention dot views the buffer as [B*K, S, X]) and copies the whole buffer, twice per layer and step
-  (measured on a 3-head 8k layer: 5.0 ms with the copies, 1.3 ms without). The conditional is CPU-only
-  (`lax.platform_dependent`): on a GPU it would copy its predicate to the host and wait, every layer."""
+  One `dynamic_update_slice` per batch row (`put_rows`). The updates sit inside a `lax.cond` (its predicate,
+  start >= 0, always holds): the conditional is a fusion barrier, so the update runs in place on the buffer
+  itself. Without it XLA fuses the update into the readers that follow (an attention dot views the buffer as
+  [B*K, S, X]) and copies the whole buffer, twice per layer and step (measured on a 3-head 8k layer: 5.0 ms with
+  the copies, 1.3 ms without). The conditional is CPU-only (`lax.platform_dependent`): on a GPU it would copy its
+  predicate to the host and wait, every layer. `write_many`: several writes under one conditional."""
+  return write_many([(buf_BKSX, rows_BKTX, start_B)])[0]
+
+
+def write_many(writes):
+  """`write_rows` for each (buf, rows, start_B) of `writes`, all under one conditional (XLA:CPU: one fence per
+  layer and step instead of one per buffer). -> the buffers written, in order."""
+  def put(bufs, starts):
+    return tuple(put_rows(buf, rows, start) for buf, (_, rows, _), start in zip(bufs, writes, starts))
+
+  def fenced(bufs, starts):
+    holds = jnp.all(jnp.stack([jnp.all(start >= 0) for start in starts]))
+    return jax.lax.cond(holds, put, lambda bufs, _: bufs, bufs, starts)
+
+  bufs, starts = tuple(w[0] for w in writes), tuple(w[2] for w in writes)
+  return jax.lax.platform_dependent(bufs, starts, cpu=fenced, default=put)
+
+
+def put_rows(buf_BKSX, rows_BKTX, start_B, enable_B=None):
+  """`write_rows` without its fence (for a caller whose conditional fences several writes): one
+  `dynamic_update_slice` per batch row (B is static; a vmapped update becomes a scatter, which XLA:CPU runs as a
+  loop over the WHOLE buffer: a full-cache step at 8k took 4x longer). With enable [B] bool, a row where it is
+  false rewrites what the buffer held there (unchanged)."""
   rows = rows_BKTX.astype(buf_BKSX.dtype)
   tail = (0,) * (buf_BKSX.ndim - 3)
-
-  def update(buf, start_B):
-    for b in range(buf.shape[0]):
-      buf = jax.lax.dynamic_update_slice(buf, rows[b:b + 1], (b, 0, start_B[b]) + tail)
-    return buf
-
-  def fenced(buf, start_B):
-    return jax.lax.cond(jnp.all(start_B >= 0), update, lambda buf, _: buf, buf, start_B)
-
-  return jax.lax.platform_dependent(buf_BKSX, start_B, cpu=fenced, default=update)
+  for b in range(buf_BKSX.shape[0]):
+    at = (b, 0, start_B[b]) + tail
+    row = rows[b:b + 1]
+    if enable_B is not None:
+      row = jnp.where(enable_B[b], row, jax.lax.dynamic_slice(buf_BKSX, at, row.shape))
+    buf_BKSX = jax.lax.dynamic_update_slice(buf_BKSX, row, at)
+  return buf_BKSX
 
 
 def gather_rows(buf_BKSH, idx_BKX):

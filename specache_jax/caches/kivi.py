@@ -82,7 +82,7 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
   b, t, _, _ = q.shape
   n_kv = k_new.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  low = lowbit.store_codes(st.low, kn, vn, lengths, **method.qargs)
+  low, _ = lowbit.store_codes(st.low, kn, vn, lengths, **method.qargs)
   s = low.k_codes.shape[2]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
   ring_k, ring_v, ring_pos = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,

@@ -62,32 +62,14 @@ def ring_positions(lengths_B, residual: int):
   return jnp.where(pos >= 0, pos, -1)
 
 
-def _update_rows(buf, rows, start_B, enable_B):
-  """buf [B, K, X, Y] <- rows [B, K, n, Y] at start[b] where enable[b] (else unchanged); one in-place
-  `dynamic_update_slice` per batch row (see attention.write_rows)."""
-  rows = rows.astype(buf.dtype)
-  for b in range(buf.shape[0]):
-    at = (b, 0, start_B[b], 0)
-    buf = jax.lax.cond(enable_B[b], lambda x, r=rows[b:b + 1], at=at: jax.lax.dynamic_update_slice(x, r, at),
-                       lambda x: x, buf)
-  return buf
-
-
-def _flushed_keys(ring_k, rows_BKIH, lengths_B, any_flush, bits, group_size, one_bit, dtype):
-  """The keys of the ring with rows [B, K, I, H] put in at slots (lengths[b] + i) % R, quantized (what a
-  flush writes). On CPU only computed when some row flushes (a `lax.cond`: the quantization of the whole ring
-  was ~2 ms of a 44 ms SmolLM2 step, needed one step in R); elsewhere always (a GPU conditional copies its
-  predicate to the host and waits)."""
-  def quantize(ring, rows):
-    slot = jnp.arange(ring.shape[2])[None, None, :, None]
-    for i in range(rows.shape[2]):
-      hit = slot == jnp.mod(lengths_B + i, ring.shape[2])[:, None, None, None]
-      ring = jnp.where(hit, rows[:, :, i:i + 1].astype(ring.dtype), ring)
-    return quant.quantize_keys(ring, bits, group_size, one_bit, dtype=dtype)
-  skip = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(quantize, *a))  # noqa: E731
-  return jax.lax.platform_dependent(
-      ring_k, rows_BKIH, any_flush, cpu=lambda r, n, f: jax.lax.cond(f, quantize, skip, r, n),
-      default=lambda r, n, f: quantize(r, n))
+def _window_keys(ring_k, rows_BKIH, lengths_B, bits, group_size, one_bit, dtype):
+  """The keys of the ring with rows [B, K, I, H] put in at slots (lengths[b] + i) % R, quantized: what a row
+  whose window fills writes."""
+  slot = jnp.arange(ring_k.shape[2])[None, None, :, None]
+  for i in range(rows_BKIH.shape[2]):
+    hit = slot == jnp.mod(lengths_B + i, ring_k.shape[2])[:, None, None, None]
+    ring_k = jnp.where(hit, rows_BKIH[:, :, i:i + 1].astype(ring_k.dtype), ring_k)
+  return quant.quantize_keys(ring_k, bits, group_size, one_bit, dtype=dtype)
 
 
 def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
@@ -114,25 +96,45 @@ def prefill(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual
       ring_v=A.gather_rows(v_BKTH, idx).astype(st.ring_v.dtype))
 
 
-def store_codes(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit) -> LowBit:
+def store_codes(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, residual, one_bit, also=()):
   """Store T new rows per batch row at positions lengths[b].. in the low-bit copy: each row's value codes, and
   the key window's codes when a row fills it (quantized from the ring with the rows up to that one put in).
-  The ring itself is left as it was: the caller reads it, then writes the rows with `store_ring`."""
-  t = k_BKTH.shape[2]
-  for i in range(t):
+  The ring itself is left as it was: the caller reads it, then writes the rows with `store_ring`.
+
+  also: the caller's own (buffer [B, K, S, ·], rows [B, K, T, ·]) pairs, written at lengths with the first
+  row's value codes (SpeCache's simulated 16-bit copy). -> (st, the `also` buffers written).
+
+  On XLA:CPU two conditionals per row (layer and step), each a fence that keeps its writes in place
+  (`attention.write_rows`): one around the value codes (and `also`), one around the key window, entered only
+  when some row's window fills (every R steps: the ring's quantization was ~2 ms of a 44 ms SmolLM2 step when
+  done every step) — formerly 4 + 3·B (+ 2) conditionals. Elsewhere none (a GPU conditional copies its predicate
+  to the host and waits): the window is quantized and written every step. A row whose window did not fill writes
+  its quantized partial window at its own key_qlen: codes no attend reads before that window's flush rewrites
+  them (so no read of the buffer and no per-row conditional)."""
+  also = tuple(also)
+  for i in range(k_BKTH.shape[2]):
     pos = lengths_B + i
     qv = quant.quantize_values(v_BKTH[:, :, i:i + 1], bits, group_size, one_bit, dtype=st.v_scale.dtype)
-    st = st.replace(v_codes=A.write_rows(st.v_codes, qv.codes, pos), v_scale=A.write_rows(st.v_scale, qv.scale, pos),
-                    v_zero=A.write_rows(st.v_zero, qv.zero, pos))
+    written = A.write_many([(st.v_codes, qv.codes, pos), (st.v_scale, qv.scale, pos), (st.v_zero, qv.zero, pos)]
+                           + ([(buf, rows, lengths_B) for buf, rows in also] if i == 0 else []))
+    st = st.replace(v_codes=written[0], v_scale=written[1], v_zero=written[2])
+    if i == 0:
+      also = written[3:]
     new_len = pos + 1
     flush = jnp.mod(new_len, residual) == 0                            # the ring holds [new_len - R, new_len)
-    start = jnp.maximum(new_len - residual, 0)
-    qk = _flushed_keys(st.ring_k, k_BKTH[:, :, :i + 1], lengths_B, jnp.any(flush), bits, group_size, one_bit,
-                       st.k_scale.dtype)
-    st = st.replace(k_codes=_update_rows(st.k_codes, qk.codes, start, flush),
-                    k_scale=_update_rows(st.k_scale, qk.scale, start // group_size, flush),
-                    k_zero=_update_rows(st.k_zero, qk.zero, start // group_size, flush))
-  return st
+    start = jnp.where(flush, new_len - residual, (new_len // residual) * residual)
+
+    def put_window(bufs, ring_k, keys_in, start=start):
+      qk = _window_keys(ring_k, keys_in, lengths_B, bits, group_size, one_bit, st.k_scale.dtype)
+      return tuple(A.put_rows(buf, rows, at) for buf, rows, at in
+                   zip(bufs, (qk.codes, qk.scale, qk.zero), (start, start // group_size, start // group_size)))
+
+    keys = jax.lax.platform_dependent(
+        (st.k_codes, st.k_scale, st.k_zero), st.ring_k, k_BKTH[:, :, :i + 1], jnp.any(flush),
+        cpu=lambda bufs, r, k, f: jax.lax.cond(f, put_window, lambda bufs, *_: bufs, bufs, r, k),
+        default=lambda bufs, r, k, f: put_window(bufs, r, k))
+    st = st.replace(k_codes=keys[0], k_scale=keys[1], k_zero=keys[2])
+  return st, also
 
 
 def store_ring(st: LowBit, k_BKTH, v_BKTH, lengths_B, after=None) -> LowBit:
@@ -158,7 +160,7 @@ def store_ring(st: LowBit, k_BKTH, v_BKTH, lengths_B, after=None) -> LowBit:
 def append(st: LowBit, k_BKH, v_BKH, lengths_B, **qargs) -> LowBit:
   """Store one new row per batch row at position lengths[b] (codes and ring), nothing read in between."""
   k, v = k_BKH[:, :, None], v_BKH[:, :, None]
-  return store_ring(store_codes(st, k, v, lengths_B, **qargs), k, v, lengths_B)
+  return store_ring(store_codes(st, k, v, lengths_B, **qargs)[0], k, v, lengths_B)
 
 
 def packed_segment(st: LowBit, mask, *, bits, group_size) -> A.Computed:

@@ -404,11 +404,10 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
 def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
   """Store the real row, all but the ring (written after the attention: `lowbit.store_ring`): quantized on the
   device, 16-bit to the (simulated) host."""
-  st = st.replace(low=lowbit.store_codes(st.low, k_BKH[:, :, None], v_BKH[:, :, None], lengths, **method.qargs))
-  if not method.offload:
-    st = st.replace(k16=A.write_rows(st.k16, k_BKH[:, :, None], lengths),
-                    v16=A.write_rows(st.v16, v_BKH[:, :, None], lengths))
-  return st
+  k, v = k_BKH[:, :, None], v_BKH[:, :, None]
+  sixteen = () if method.offload else ((st.k16, k), (st.v16, v))     # in the same conditional as the codes
+  low, sixteen = lowbit.store_codes(st.low, k, v, lengths, **method.qargs, also=sixteen)
+  return st.replace(low=low, **dict(zip(("k16", "v16"), sixteen)))
 
 
 def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
