@@ -4,13 +4,22 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# A persistent compilation cache, set through JAX's environment variables so that the xdist workers and every
+# subprocess a test starts (launchers, the GPU check's dry run, the notebook, fresh-venv installs) share it: the
+# fixture below drops the compiled programs after each module, and many modules and subprocesses compile the same
+# ones. Entries are keyed by the program, its compile options and the jax/jaxlib versions (a changed program is a
+# new entry), so a kept folder only speeds up reruns. SPECACHE_JAX_COMPILE_CACHE=<folder> puts it elsewhere, =0
+# turns it off; a JAX_COMPILATION_CACHE_DIR already set is left as it is.
+_CACHE = os.environ.get("SPECACHE_JAX_COMPILE_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+                                     "xla"))
+if _CACHE != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-_cache = os.environ.get("SPECACHE_JAX_COMPILE_CACHE")
-if _cache:
-  jax.config.update("jax_compilation_cache_dir", _cache)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 import gc  # noqa: E402
