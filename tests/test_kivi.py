@@ -28,6 +28,35 @@ def test_ring_positions_hold_the_last_window():
   assert pos.tolist() == [[-1, -1, -1, -1], [0, 1, 2, -1], [4, 5, 6, 7], [8, 9, 10, 7]]
 
 
+@pytest.mark.parametrize("bits,group_size", [(1, 8), (2, 16), (4, 4)])
+def test_ring_keys_below_key_qlen_are_the_last_window_dequantized(bits, group_size):
+  """`ring_segment`'s keys: for a slot whose position p is below key_qlen, the low-bit key of p (from contiguous
+  slices of the last flushed window); at or above it, the 16-bit ring key. Ragged rows: no window yet, a window
+  just flushed (every slot low-bit), and mid-window."""
+  rng = np.random.default_rng(bits)
+  b, n_kv, residual, h, slots = 3, 2, 16, 16, 96
+  qargs = dict(bits=bits, group_size=group_size, residual=residual, one_bit="specache")
+  lengths = jnp.asarray([9, 48, 71], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((b, n_kv, slots, h)), jnp.float32) for _ in range(2))
+  st = lowbit.prefill(lowbit.init(b, n_kv, slots, h, bits, group_size, residual, jnp.float32), k, v, lengths,
+                      **qargs)
+  keys, _, pos = lowbit.ring_segment(st, lengths, bits=bits, group_size=group_size, residual=residual)
+  low_keys, _ = lowbit.dequantized(st, bits=bits, group_size=group_size)
+  key_qlen = np.asarray(lengths) // residual * residual
+  pos = np.asarray(pos)
+  for i in range(b):
+    for s in range(residual):
+      p = pos[i, 0, s]
+      if p < 0:                                       # an empty slot (row 0 holds 9 positions)
+        continue
+      want = k[i, :, p] if p >= key_qlen[i] else low_keys[i, :, p]
+      np.testing.assert_allclose(np.asarray(keys[i, :, s]), np.asarray(want), rtol=1e-6, atol=1e-6,
+                                 err_msg=f"row {i} slot {s} position {p}")
+  pos = pos[:, 0]
+  assert (pos[0] < 0).sum() == residual - 9 and (pos[1] < key_qlen[1]).all()
+  assert ((pos[2] >= 0) & (pos[2] < key_qlen[2])).any() and (pos[2] >= key_qlen[2]).any()
+
+
 @pytest.mark.parametrize("t", [1, 3, 8, 11])
 def test_storing_rows_codes_first_and_ring_after_equals_appending_them_one_by_one(t):
   """The steps store T rows' codes (`store_codes`: value codes, and key windows flushed from the ring with the

@@ -182,13 +182,17 @@ def dequantized(st: LowBit, *, bits, group_size, dtype=jnp.float32):
   return keys, values
 
 
-def dequantized_key_rows(st: LowBit, pos_BKX, *, bits, group_size, dtype=jnp.float32):
-  """Dequantize only the key rows at positions [B, K, X] -> [B, K, X, H] (clipped into range)."""
-  h = st.k_scale.shape[-1]
-  codes = A.gather_rows(st.k_codes, pos_BKX)                            # [B, K, X, C]
-  grp = jnp.clip(pos_BKX, 0, None) // group_size
-  scale = A.gather_rows(st.k_scale, grp)
-  zero = A.gather_rows(st.k_zero, grp)
+def last_window_keys(st: LowBit, key_qlen_B, *, bits, group_size, residual, dtype=jnp.float32):
+  """The dequantized keys of each row's last flushed window [key_qlen - R, key_qlen) -> [B, K, R, H]; row s is
+  position key_qlen - R + s, which sits in ring slot s (key_qlen is a multiple of R). Contiguous slices of the
+  codes and of the R/g key groups (no gather); garbage where key_qlen = 0 (no window yet)."""
+  n_kv, r, h = st.k_codes.shape[1], residual, st.k_scale.shape[-1]
+  start = jnp.maximum(key_qlen_B - r, 0)
+  take = lambda buf, at, n: jnp.concatenate([jax.lax.dynamic_slice(                 # noqa: E731
+      buf, (i, 0, at[i], 0), (1, n_kv, n, buf.shape[-1])) for i in range(buf.shape[0])], axis=0)
+  codes = take(st.k_codes, start, r)
+  scale, zero = (jnp.repeat(take(x, start // group_size, r // group_size), group_size, axis=2)
+                 for x in (st.k_scale, st.k_zero))
   return quant.dequantize_minmax(quant.unpack_bits(codes, bits, h), scale, zero, dtype)
 
 
@@ -201,7 +205,7 @@ def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp
   b, n_kv = st.ring_k.shape[:2]
   key_qlen, _ = boundaries(lengths_B, residual)
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
-  low_keys = dequantized_key_rows(st, pos, bits=bits, group_size=group_size, dtype=dtype)
+  low_keys = last_window_keys(st, key_qlen, bits=bits, group_size=group_size, residual=residual, dtype=dtype)
   use_16 = (pos >= key_qlen[:, None, None])[..., None]
   keys = jnp.where(use_16, st.ring_k.astype(dtype), low_keys)
   return keys, st.ring_v, pos
