@@ -158,19 +158,14 @@ def write_many(writes):
   return jax.lax.platform_dependent(bufs, starts, cpu=fenced, default=put)
 
 
-def put_rows(buf_BKSX, rows_BKTX, start_B, enable_B=None):
+def put_rows(buf_BKSX, rows_BKTX, start_B):
   """`write_rows` without its fence (for a caller whose conditional fences several writes): one
   `dynamic_update_slice` per batch row (B is static; a vmapped update becomes a scatter, which XLA:CPU runs as a
-  loop over the WHOLE buffer: a full-cache step at 8k took 4x longer). With enable [B] bool, a row where it is
-  false rewrites what the buffer held there (unchanged)."""
+  loop over the WHOLE buffer: a full-cache step at 8k took 4x longer)."""
   rows = rows_BKTX.astype(buf_BKSX.dtype)
   tail = (0,) * (buf_BKSX.ndim - 3)
   for b in range(buf_BKSX.shape[0]):
-    at = (b, 0, start_B[b]) + tail
-    row = rows[b:b + 1]
-    if enable_B is not None:
-      row = jnp.where(enable_B[b], row, jax.lax.dynamic_slice(buf_BKSX, at, row.shape))
-    buf_BKSX = jax.lax.dynamic_update_slice(buf_BKSX, row, at)
+    buf_BKSX = jax.lax.dynamic_update_slice(buf_BKSX, rows[b:b + 1], (b, 0, start_B[b]) + tail)
   return buf_BKSX
 
 
