@@ -1,5 +1,6 @@
 """Test setup: 8 forced CPU devices (sharding tests), strict rank promotion, a persistent compile cache."""
 import os
+import shutil
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,21 +9,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # subprocess a test starts (launchers, the GPU check's dry run, the notebook, fresh-venv installs) share it: the
 # fixture below drops the compiled programs after each module, and many modules and subprocesses compile the same
 # ones. Entries are keyed by the program, its compile options and the jax/jaxlib versions (a changed program is a
-# new entry), so a kept folder only speeds up reruns; a whole run writes ~100 MB, and where `filelock` is installed
-# (JAX's eviction needs it; the test requirements bring it) the least recently used entries go past 2 GiB.
-# SPECACHE_JAX_COMPILE_CACHE=<folder> puts it elsewhere, =0 turns it off; a JAX_COMPILATION_CACHE_DIR already set
-# is left as it is.
+# new entry), so a kept folder only speeds up reruns; a whole run writes ~100 MB, and a folder past 2 GiB is emptied
+# when a session starts (JAX's own size limit scans the whole folder on every write, under a lock: quadratic in the
+# entries). SPECACHE_JAX_COMPILE_CACHE=<folder> puts it elsewhere, =0 turns it off; a JAX_COMPILATION_CACHE_DIR
+# already set is left as it is.
 _CACHE = os.environ.get("SPECACHE_JAX_COMPILE_CACHE",
                         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
                                      "xla"))
 if _CACHE != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  try:
-    import filelock  # noqa: F401
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
-  except ImportError:
-    pass
+  if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_CACHE):     # the session's first process only
+    if sum(e.stat().st_size for e in os.scandir(_CACHE) if e.is_file()) > 2 << 30:
+      shutil.rmtree(_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 
