@@ -147,13 +147,10 @@ def store_ring(st: LowBit, k_BKTH, v_BKTH, lengths_B, after=None) -> LowBit:
     k_BKTH, v_BKTH = k_BKTH * one, v_BKTH * one
   residual = st.ring_k.shape[2]
   ring_k, ring_v = st.ring_k, st.ring_v
-  for i in range(k_BKTH.shape[2]):
+  for i in range(k_BKTH.shape[2]):       # unfenced row writes (`A.put_rows`): a fence here made XLA copy the ring
     slot = jnp.mod(lengths_B + i, residual)
-    for b in range(k_BKTH.shape[0]):      # one in-place dynamic_update_slice per batch row (see A.write_rows)
-      ring_k = jax.lax.dynamic_update_slice(ring_k, k_BKTH[b:b + 1, :, i:i + 1].astype(ring_k.dtype),
-                                            (b, 0, slot[b], 0))
-      ring_v = jax.lax.dynamic_update_slice(ring_v, v_BKTH[b:b + 1, :, i:i + 1].astype(ring_v.dtype),
-                                            (b, 0, slot[b], 0))
+    ring_k = A.put_rows(ring_k, k_BKTH[:, :, i:i + 1], slot)
+    ring_v = A.put_rows(ring_v, v_BKTH[:, :, i:i + 1], slot)
   return st.replace(ring_k=ring_k, ring_v=ring_v)
 
 
