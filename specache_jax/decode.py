@@ -23,6 +23,7 @@ from flax import struct
 
 from specache_jax import guards, sharding
 from specache_jax.caches.base import Cache, CacheConfig, observe_speculation as _observe
+from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.model import decoder
 from specache_jax.model.config import ModelConfig
 
@@ -76,7 +77,7 @@ class DecodeState:
 def sample(logits_BV, rng, spec: SamplingSpec):
   """Greedy (argmax) or temperature + nucleus sampling with an explicit PRNG key -> [B] int32."""
   if spec.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return cpu_select.greedy(logits_BV)
   logits = logits_BV / jnp.maximum(spec.temperature, 1e-6)
   order = jnp.argsort(-logits, axis=-1)
   sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -96,7 +97,7 @@ def is_stop(tok_B, spec: SamplingSpec):
 
 def guess(logits_BV):
   """The greedy guess of the next token -> [B] int32."""
-  return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return cpu_select.greedy(logits_BV)
 
 
 def guesses(method: CacheConfig, logits_BV):

@@ -1,5 +1,6 @@
-"""The XLA:CPU selection kernels (`cpu_kernels.select`: top-k indices, row gather) against their jnp references
-(lax.top_k's exact indices and order; take_along_axis), and SpeCache's κ through them."""
+"""The XLA:CPU selection kernels (`cpu_kernels.select`: top-k indices, row gather, argmax) against their jnp
+references (lax.top_k's exact indices and order; take_along_axis; jnp.argmax), and SpeCache's κ and the greedy
+token through them."""
 import functools
 
 import jax
@@ -74,6 +75,38 @@ def test_take_rows_equals_take_along_axis_clipped(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "ties", "special", "descending", "ascending", "masked"])
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 49152])
+def test_argmax_equals_jnp_argmax(kind, v):
+  """Fresh random rows of every kind (NaN rows: the first NaN, as jnp.argmax; ±0.0 and ±inf; ties: the first);
+  plus a row of -inf only, a row whose only NaN is in the tail past the last 16 lanes, and leading axes."""
+  rng = np.random.RandomState(v + 3 * len(kind))
+  x = _rows(kind, rng, 5, v)
+  x[1] = -np.inf
+  if v > 16:
+    x[2, :] = rng.randn(v)
+    x[2, -1] = np.nan
+  for rows in (x, x[:1], x.reshape(5, 1, v)):
+    got = jax.jit(select.argmax)(jnp.asarray(rows))
+    want = jnp.argmax(jnp.asarray(rows), axis=-1)
+    assert got.dtype == jnp.int32 and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{kind} V={v} {rows.shape}")
+    np.testing.assert_array_equal(np.asarray(select.argmax_reference(jnp.asarray(rows))), np.asarray(want))
+
+
+@needs_kernel
+def test_greedy_takes_the_argmax_kernel_for_float32_on_cpu_only():
+  """decode's greedy token: the kernel for float32 logits on the CPU, jnp.argmax for bfloat16 and on a GPU."""
+  from specache_jax import decode
+  logits = jnp.asarray(np.random.RandomState(5).randn(3, 300).astype(np.float32))
+  cpu = jax.jit(decode.guess).trace(logits).lower().as_text()
+  assert ck.ARGMAX_TARGET in cpu
+  assert ck.ARGMAX_TARGET not in jax.jit(decode.guess).trace(logits).lower(lowering_platforms=("cuda",)).as_text()
+  assert ck.ARGMAX_TARGET not in jax.jit(decode.guess).trace(logits.astype(jnp.bfloat16)).lower().as_text()
+  np.testing.assert_array_equal(np.asarray(jax.jit(decode.guess)(logits)), np.asarray(jnp.argmax(logits, -1)))
+
+
+@needs_kernel
 def test_kernels_name_bad_inputs():
   x = jnp.zeros((2, 10), jnp.float32)
   with pytest.raises(ValueError, match="k=11 must be in"):
@@ -82,6 +115,10 @@ def test_kernels_name_bad_inputs():
     select.top_k_indices(x.astype(jnp.bfloat16), 2)
   with pytest.raises(ValueError, match="same leading axes"):
     select.take_rows(jnp.zeros((2, 3, 10, 4)), jnp.zeros((2, 4, 5), jnp.int32))
+  with pytest.raises(ValueError, match="argmax: x must be float32"):
+    select.argmax(jnp.zeros((2, 0), jnp.float32))
+  with pytest.raises(ValueError, match="argmax: x must be float32"):
+    select.argmax(jnp.zeros((2, 5), jnp.int32))
   with pytest.raises(ValueError, match="integer idx"):
     select.take_rows(jnp.zeros((2, 10, 4)), jnp.zeros((2, 5), jnp.float32))
 

@@ -9,8 +9,8 @@ once for all M rows (`skinny_matmul.cc`).
 `mixed_attention.mixed_decode_attention`: the low-bit + 16-bit decode attention of SpeCache and KIVI with the
 contract of the Pallas kernel of that name (`mixed_attention.cc`; its own module, this one is the loader).
 
-`select.top_k_indices` / `select.take_rows`: SpeCache's κ choice (lax.top_k's indices, exactly) and the κ rows'
-gather (`select.cc`).
+`select.top_k_indices` / `select.take_rows` / `select.argmax`: SpeCache's κ choice (lax.top_k's indices, exactly),
+the κ rows' gather and the greedy token (jnp.argmax's index, exactly) (`select.cc`).
 
 `prefill_attention.causal_attention`: the prompt's causal attention (`prefill_attention.cc`), register-tiled.
 
@@ -55,6 +55,7 @@ TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
 TOP_K_TARGET = "specache_top_k"
 TAKE_ROWS_TARGET = "specache_take_rows"
+ARGMAX_TARGET = "specache_argmax"
 PREFILL_TARGET = "specache_prefill_attention"
 DENSE_TARGET = "specache_dense_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -105,6 +106,7 @@ def _load() -> tuple[bool, str]:
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(handle.MixedDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectTopK), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(handle.SelectTakeRows), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(handle.SelectArgMax), platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(handle.PrefillAttention), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(handle.DenseDecodeAttention), platform="cpu")
   except (RuntimeError, OSError) as e:

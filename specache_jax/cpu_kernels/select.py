@@ -1,12 +1,14 @@
-"""SpeCache's κ choice and the κ rows' gather on XLA:CPU (`select.cc`), each beside its jnp reference.
+"""SpeCache's κ choice, the κ rows' gather and the greedy token on XLA:CPU (`select.cc`), each beside its jnp
+reference.
 
 At 8k slots XLA:CPU spent ~0.11 ms per layer in its TopK (k=64 of [3, 8448], a partial_sort of every index
 through an indirect comparator) and ~0.05 ms per gather of 64 rows per head from the simulated 16-bit cache
 (an index computed per element): ~6 ms of a ~45 ms SmolLM2-135M SpeCache step. The kernels pick the same indices
 (`top_k_indices`: lax.top_k's order, ties to the lower index, NaNs and signed zeros in XLA's total order) and
-copy whole rows (`take_rows`).
+copy whole rows (`take_rows`). The greedy token's argmax over SmolLM2's 49152 logits took XLA:CPU's variadic reduce
+~85 µs per row (two rows per sequence and step for SpeCache); `argmax` reads the row twice at memory speed.
 
-Callers (`caches/specache.py`, `caches/attention.py`) take them on the CPU backend where they `apply` and lower
+Callers (`caches/specache.py`, `caches/attention.py`, `decode.py`) take them on the CPU backend where they `apply` and lower
 to the references for every other platform (`lax.platform_dependent`).
 """
 from __future__ import annotations
@@ -51,6 +53,38 @@ def top_k_indices_reference(scores, k: int):
   return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
 
 
+def _check_argmax(x) -> None:
+  if x.ndim < 1 or x.dtype != jnp.float32 or x.shape[-1] == 0:
+    raise ValueError(f"argmax: x must be float32 [..., V] with V >= 1; got {x.dtype} {x.shape}")
+
+
+def argmax(x):
+  """int32 [...]: `jnp.argmax(x, axis=-1)` of float32 x [..., V] exactly (the first NaN where a row has one, else
+  the first maximum). CPU backend only."""
+  _check_argmax(x)
+  if not ck.available():
+    raise RuntimeError(f"argmax: CPU kernels {ck.status()}")
+  lead, v = x.shape[:-1], x.shape[-1]
+  n = math.prod(lead)
+  if n == 0:
+    return jnp.zeros(lead, jnp.int32)
+  return _argmax_partitioned()(x.reshape(n, v)).reshape(lead)
+
+
+def argmax_reference(x):
+  """`argmax` in jnp (the same signature)."""
+  _check_argmax(x)
+  return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def greedy(x):
+  """The greedy token of logits [..., V] -> int32 [...]: `argmax`'s kernel on XLA:CPU for float32 logits,
+  jnp.argmax for other dtypes and in programs lowered for any other platform."""
+  if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  return ck.on_cpu(applies(), argmax, argmax_reference, x)
+
+
 def _check_take(buf, idx) -> None:
   if buf.ndim < 2 or idx.shape[:-1] != buf.shape[:-2] or not jnp.issubdtype(idx.dtype, jnp.integer):
     raise ValueError(f"take_rows: buf [..., S, R] and integer idx [..., X] with the same leading axes; got buf "
@@ -84,6 +118,11 @@ def _top_k_call(k: int, scores_NS):
   return jax.ffi.ffi_call(ck.TOP_K_TARGET, out, vmap_method="sequential")(scores_NS)
 
 
+def _argmax_call(x_NV):
+  out = jax.ShapeDtypeStruct((x_NV.shape[0],), jnp.int32)
+  return jax.ffi.ffi_call(ck.ARGMAX_TARGET, out, vmap_method="sequential")(x_NV)
+
+
 def _take_call(buf_NSR, idx_NX):
   n, _, r = buf_NSR.shape
   out = jax.ShapeDtypeStruct((n, idx_NX.shape[1], r), buf_NSR.dtype)
@@ -93,6 +132,11 @@ def _take_call(buf_NSR, idx_NX):
 @functools.cache
 def _top_k_partitioned(k: int):
   return ck.batch_partitioned(functools.partial(_top_k_call, k), "b s -> b k", 1, ("s", "k"))
+
+
+@functools.cache
+def _argmax_partitioned():
+  return ck.batch_partitioned(_argmax_call, "b v -> b", 1, ("v",))
 
 
 @functools.cache
