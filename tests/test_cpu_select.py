@@ -75,6 +75,53 @@ def test_take_rows_equals_take_along_axis_clipped(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "ties", "masked"])
+@pytest.mark.parametrize("s", [1, 100, 1025, 8448])
+def test_scatter_top_k_equals_the_dense_scores_top_k(kind, s):
+  """Fresh random parts: positions in and out of [0, S) (also negative), the same position twice (added in
+  order), limits below 0, inside and past S; k from 0 to S. Against the jnp composition (scatter, mask,
+  lax.top_k) and against SpeCache's dense path (`Scores.dense` + `select`)."""
+  rng = np.random.RandomState(s + 7 * len(kind))
+  b, kv, e = 2, 3, 19
+  low = _rows(kind, rng, b * kv, s).reshape(b, kv, s)
+  extra = rng.rand(b, kv, e).astype(np.float32)
+  pos = rng.randint(-3, s + 3, (b, kv, e)).astype(np.int32)
+  pos[0, 0, :2] = min(s - 1, 5)                                 # twice the same position
+  limit = np.array([[s + 4, s // 2, 0], [-1, s, 1]], np.int32)
+  args = tuple(map(jnp.asarray, (low, extra, pos, limit)))
+  for k in sorted({0, 1, min(s, 64), s}):
+    got = jax.jit(functools.partial(select.scatter_top_k, k=k))(*args)
+    want = select.scatter_top_k_reference(*args, k)
+    assert got.dtype == jnp.int32 and got.shape == (b, kv, k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{kind} S={s} k={k}")
+  dense = low.copy()
+  for i in np.ndindex(b, kv):
+    for j in range(e):
+      if 0 <= pos[i][j] < s:
+        dense[i][pos[i][j]] += extra[i][j]
+  dense = np.where(np.arange(s) < limit[..., None], dense, -1.0).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(select.scatter_scores(*args)), dense)
+  method = sc.SpeCacheConfig(topk=min(s, 64))
+  n_b = jnp.asarray([s // 2, s], jnp.int32)
+  pos_in = jnp.asarray(np.where((pos >= 0) & (pos < s), pos, s))
+  scores = sc.Scores(jnp.asarray(low)[:, :, None], jnp.asarray(extra)[:, :, None], pos_in)
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda sc_, n: sc.select_row(method, sc_, -1, n))(scores, n_b)),
+                                np.asarray(sc.select(method, scores.dense()[:, :, -1], n_b)))
+
+
+@needs_kernel
+def test_specache_step_picks_kappa_by_the_fused_selection_on_cpu():
+  """The default SpeCache step's κ_{t+1} goes through `scatter_top_k` (no separate TopK) on the CPU."""
+  scores = sc.Scores(jnp.zeros((1, 2, 1, 300)), jnp.zeros((1, 2, 1, 9)), jnp.full((1, 2, 9), 300, jnp.int32))
+  method = sc.SpeCacheConfig(topk=8)
+  text = jax.jit(lambda s_, n: sc.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower().as_text()
+  assert ck.SCATTER_TOP_K_TARGET in text and ck.TOP_K_TARGET not in text
+  gpu = jax.jit(lambda s_, n: sc.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert ck.SCATTER_TOP_K_TARGET not in gpu
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["normal", "ties", "special", "descending", "ascending", "masked"])
 @pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 49152])
 def test_argmax_equals_jnp_argmax(kind, v):
@@ -117,6 +164,10 @@ def test_kernels_name_bad_inputs():
     select.take_rows(jnp.zeros((2, 3, 10, 4)), jnp.zeros((2, 4, 5), jnp.int32))
   with pytest.raises(ValueError, match="argmax: x must be float32"):
     select.argmax(jnp.zeros((2, 0), jnp.float32))
+  with pytest.raises(ValueError, match="scatter_top_k: low float32"):
+    select.scatter_top_k(x, jnp.zeros((2, 3)), jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32), 2)
+  with pytest.raises(ValueError, match="k=11 must be in"):
+    select.scatter_top_k(x, jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32), 11)
   with pytest.raises(ValueError, match="argmax: x must be float32"):
     select.argmax(jnp.zeros((2, 5), jnp.int32))
   with pytest.raises(ValueError, match="integer idx"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -268,6 +269,34 @@ def select(method: SpeCacheConfig, probs_BKS, n_B):
   return top_k_indices(_candidate_scores(method, probs_BKS, n_B), method.topk)
 
 
+class Scores(NamedTuple):
+  """An attention's probabilities per position as the fused kernels return them, in two parts: low [B, K, R, S]
+  over the low-bit positions (0 where not attended) and extra [B, K, R, E] over the 16-bit columns (the ring, κ,
+  the new rows), whose positions are extra_pos [B, K, E] (S where a column holds no stored position)."""
+  low: jax.Array
+  extra: jax.Array
+  extra_pos: jax.Array
+
+  def dense(self):
+    """[B, K, R, S] float32: the extra columns' probabilities added at their positions."""
+    s = self.low.shape[-1]
+    probs = jnp.concatenate([self.low, jnp.zeros(self.low.shape[:3] + (1,), jnp.float32)], -1)
+    add = jax.vmap(lambda p, i, v: p.at[i].add(v), in_axes=(0, None, 0))         # the rows of one (b, k)
+    return jax.vmap(jax.vmap(add))(probs, self.extra_pos, self.extra)[..., :s]
+
+
+def select_row(method: SpeCacheConfig, scores: Scores, row: int, n_B):
+  """`select` from row `row` of `scores`, i.e. select(method, scores.dense()[:, :, row], n_B), exactly; on XLA:CPU
+  the scatter, the candidate mask and the top-k are one custom call (`cpu_select.scatter_top_k`)."""
+  low, extra = scores.low[:, :, row], scores.extra[:, :, row]
+  limit = jnp.broadcast_to(candidates(method, n_B)[:, None], low.shape[:2]).astype(jnp.int32)
+  k = method.topk
+  return ck.on_cpu(cpu_select.applies() and TOPK_BLOCK is None,
+                   lambda *a: cpu_select.scatter_top_k(*a, k),
+                   lambda *a: top_k_indices(cpu_select.scatter_scores(*a), k),
+                   low, extra, scores.extra_pos, limit)
+
+
 def _candidate_scores(method: SpeCacheConfig, probs_BKS, n_B):
   ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
   return jnp.where(ok, probs_BKS, -1.0)
@@ -324,10 +353,11 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit; with use_kappa and lowbit_in_output=False the output attends κ, the ring and the new rows only,
   the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of
-  `rows` (default: the LAST row), its probabilities per position averaged over each group, [B, K, len(rows), S]
-  float32 (the new rows' columns land at their positions n + `row_offsets`). The fused kernels: Pallas (attention_impl; the last row's only) and, for
-  attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the last
-  len(rows) rows in order.
+  `rows` (default: the LAST row), its probabilities per position averaged over each group, as `Scores`
+  (`.dense()`: [B, K, len(rows), S] float32, the new rows' columns at their positions n + `row_offsets`;
+  `select_row` picks κ from them without it). The fused kernels: Pallas (attention_impl; the last row's only)
+  and, for attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the
+  last len(rows) rows in order.
 
   st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
   are written in place — the codes it wrote are at positions this attention masks — and the ring after)."""
@@ -394,11 +424,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
-  idx = jnp.where(extra_ok, extra_pos, s)                                   # invalid -> dropped slot s
-  probs = jnp.concatenate([probs_low, jnp.zeros(probs_low.shape[:3] + (1,), jnp.float32)], -1)
-  add = jax.vmap(lambda p, i, v: p.at[i].add(v), in_axes=(0, None, 0))         # the rows of one (b, k)
-  probs = jax.vmap(jax.vmap(add))(probs, idx, probs_extra)[..., :s]
-  return out, probs
+  idx = jnp.where(extra_ok, extra_pos, s).astype(jnp.int32)                 # invalid -> no position (S)
+  return out, Scores(probs_low, probs_extra, idx)
 
 
 def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
@@ -502,9 +529,12 @@ def merge_candidates(method: SpeCacheConfig, probs_BKCS):
   return (jnp.max if method.candidate_merge == "max" else jnp.mean)(probs_BKCS, axis=2)
 
 
-def _next_kappa(method: SpeCacheConfig, probs_BKRS, lengths):
+def _next_kappa(method: SpeCacheConfig, probs_BKRS: Scores, lengths):
   """κ_{t+1} from this step's probabilities (rows: `_probability_rows`); candidates: `candidates(method, n + 1)`
   (0..n, T_t included; with skip_ring only those below the ring)."""
+  if method.candidates == 1 and not method.hedge:
+    return select_row(method, probs_BKRS, -1, lengths + 1)
+  probs_BKRS = probs_BKRS.dense()
   spec = merge_candidates(method, probs_BKRS[:, :, -method.candidates:])
   if method.hedge:
     return select_hedged(method, probs_BKRS[:, :, 0], spec, lengths + 1)
@@ -573,7 +603,7 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   correct_with_fetched, the rows of st.kappa scored from their fetched 16-bit keys)."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched)
-  return select(method, probs[:, :, -1], lengths)
+  return select_row(method, probs, -1, lengths)
 
 
 def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -582,7 +612,7 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
   st = _with_spec_query(method, st, q)     # T1 is step 1's real row (the same query at layer 0; deeper layers
                                            # differ by the low-bit-only attention of this pass)
-  return out, _fetch(method, st, select(method, probs[:, :, -1], lengths)), {}    # stored positions 0..L-1
+  return out, _fetch(method, st, select_row(method, probs, -1, lengths)), {}    # stored positions 0..L-1
 
 
 def device_bytes(method, st: State) -> int:

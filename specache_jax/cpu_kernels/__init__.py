@@ -9,8 +9,9 @@ once for all M rows (`skinny_matmul.cc`).
 `mixed_attention.mixed_decode_attention`: the low-bit + 16-bit decode attention of SpeCache and KIVI with the
 contract of the Pallas kernel of that name (`mixed_attention.cc`; its own module, this one is the loader).
 
-`select.top_k_indices` / `select.take_rows` / `select.argmax`: SpeCache's κ choice (lax.top_k's indices, exactly),
-the κ rows' gather and the greedy token (jnp.argmax's index, exactly) (`select.cc`).
+`select.top_k_indices` / `select.scatter_top_k` / `select.take_rows` / `select.argmax`: SpeCache's κ choice
+(lax.top_k's indices, exactly; the second from the attention's two probability parts), the κ rows' gather and the
+greedy token (jnp.argmax's index, exactly) (`select.cc`).
 
 `prefill_attention.causal_attention`: the prompt's causal attention (`prefill_attention.cc`), register-tiled.
 
@@ -56,6 +57,7 @@ ATTENTION_TARGET = "specache_mixed_decode_attention"
 TOP_K_TARGET = "specache_top_k"
 TAKE_ROWS_TARGET = "specache_take_rows"
 ARGMAX_TARGET = "specache_argmax"
+SCATTER_TOP_K_TARGET = "specache_scatter_top_k"
 PREFILL_TARGET = "specache_prefill_attention"
 DENSE_TARGET = "specache_dense_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -107,6 +109,8 @@ def _load() -> tuple[bool, str]:
     jax.ffi.register_ffi_target(TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectTopK), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(handle.SelectTakeRows), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(handle.SelectArgMax), platform="cpu")
+    jax.ffi.register_ffi_target(SCATTER_TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectScatterTopK),
+                                platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(handle.PrefillAttention), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(handle.DenseDecodeAttention), platform="cpu")
   except (RuntimeError, OSError) as e:

@@ -8,6 +8,12 @@
 // first ones equal to T, sorted. O(S) with a small constant (XLA's partial_sort of S indices: O(S log k) through
 // an indirect comparator); exact whatever θ turns out to be.
 //
+// ScatterTopK: TopK of scores the kernel builds from SpeCache's attention's two probability parts (the fused
+// attention kernels return them so: `caches/specache.py`): row n's scores are low[n, :] with extra[n, e] added at
+// position pos[n, e] for e = 0 .. E-1 in order (a position outside [0, S) adds nothing), then -1 at positions >=
+// limit[n] (the positions κ may not pick). The dense scatter, the mask and TopK were ~6 XLA ops and a custom call
+// per layer.
+//
 // ArgMax: the index of each row's largest element of x [N, V] float32, as jnp.argmax: the first NaN where the row
 // has one, else the first element equal to the maximum (-0.0 == +0.0). Two passes over the row: the maximum and a
 // NaN check 16 lanes at a time, then the first index equal to it (XLA:CPU's variadic reduce took ~85 µs for one
@@ -124,6 +130,41 @@ ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error ScatterTopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> low, ffi::Buffer<ffi::F32> extra,
+                       ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::S32> out) {
+  const auto ld = low.dimensions(), ed = extra.dimensions(), pd = pos.dimensions(), md = limit.dimensions();
+  const auto od = out->dimensions();
+  if (ld.size() != 2 || ed.size() != 2 || pd.size() != 2 || md.size() != 1 || od.size() != 2 || ed[0] != ld[0] ||
+      pd[0] != ld[0] || pd[1] != ed[1] || md[0] != ld[0] || od[0] != ld[0])
+    return ffi::Error::InvalidArgument("scatter_top_k: low [N, S], extra [N, E], pos [N, E], limit [N] -> [N, k]");
+  const int64_t rows = ld[0], s = ld[1], e = ed[1], k = od[1];
+  if (k > s) return ffi::Error::InvalidArgument("scatter_top_k: k = " + std::to_string(k) + " > S = " + std::to_string(s));
+  if (k == 0 || rows == 0) return ffi::Error::Success();
+  const float *lp = low.typed_data(), *ep = extra.typed_data();
+  const int32_t *pp = pos.typed_data(), *mp = limit.typed_data();
+  int32_t* op = out->typed_data();
+  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  auto item = [&](int64_t it) {
+    thread_local std::vector<float> scores;
+    scores.resize(s);
+    for (int64_t r = it * kRowsPerItem; r < std::min(rows, (it + 1) * kRowsPerItem); ++r) {
+      std::memcpy(scores.data(), lp + r * s, s * sizeof(float));
+      for (int64_t j = 0; j < e; ++j) {
+        const int32_t at = pp[r * e + j];
+        if (at >= 0 && at < s) scores[at] += ep[r * e + j];
+      }
+      std::fill(scores.begin() + std::min<int64_t>(s, std::max<int32_t>(0, mp[r])), scores.end(), -1.f);
+      TopKRow(scores.data(), s, k, op + r * k);
+    }
+  };
+  if (items == 1) {
+    item(0);
+  } else {
+    specache_cpu::RunAll(pool, item, items);
+  }
+  return ffi::Error::Success();
+}
+
 int32_t ArgMaxRow(const float* x, int64_t v) {
   using specache_cpu::Load;
   using specache_cpu::Splat;
@@ -215,3 +256,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SelectArgMax, ArgMax,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x [N, V]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // indices [N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SelectScatterTopK, ScatterTopK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // low [N, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // extra [N, E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // pos [N, E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // limit [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // indices [N, k]

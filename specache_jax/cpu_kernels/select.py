@@ -53,6 +53,52 @@ def top_k_indices_reference(scores, k: int):
   return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
 
 
+def _check_scatter_top_k(low, extra, pos, limit, k: int) -> None:
+  lead, s = low.shape[:-1], low.shape[-1]
+  if (low.ndim < 1 or low.dtype != jnp.float32 or extra.dtype != jnp.float32 or extra.shape[:-1] != lead
+      or pos.shape != extra.shape or limit.shape != lead or not jnp.issubdtype(pos.dtype, jnp.integer)
+      or not jnp.issubdtype(limit.dtype, jnp.integer)):
+    raise ValueError(f"scatter_top_k: low float32 [..., S], extra float32 [..., E], integer pos [..., E] and limit "
+                     f"[...] with the same leading axes; got low {low.dtype} {low.shape}, extra {extra.dtype} "
+                     f"{extra.shape}, pos {pos.dtype} {pos.shape}, limit {limit.dtype} {limit.shape}")
+  if not 0 <= k <= s:
+    raise ValueError(f"scatter_top_k: k={k} must be in [0, S={s}]")
+
+
+def scatter_top_k(low, extra, pos, limit, k: int):
+  """int32 [..., k]: `top_k_indices` of the scores low [..., S] with extra [..., E] added at positions pos
+  [..., E] (in order; positions outside [0, S) add nothing), -1 at positions >= limit [...]. SpeCache's κ from its
+  attention's two probability parts in one custom call. CPU backend only."""
+  _check_scatter_top_k(low, extra, pos, limit, k)
+  if not ck.available():
+    raise RuntimeError(f"scatter_top_k: CPU kernels {ck.status()}")
+  lead, s, e = low.shape[:-1], low.shape[-1], extra.shape[-1]
+  n = math.prod(lead)
+  if n == 0 or k == 0:
+    return jnp.zeros(lead + (k,), jnp.int32)
+  out = _scatter_top_k_partitioned(k)(low.reshape(n, s), extra.reshape(n, e), pos.reshape(n, e).astype(jnp.int32),
+                                      limit.reshape(n).astype(jnp.int32))
+  return out.reshape(lead + (k,))
+
+
+def scatter_scores(low, extra, pos, limit):
+  """`scatter_top_k`'s scores in jnp: [..., S] float32."""
+  s = low.shape[-1]
+  idx = jnp.where((pos >= 0) & (pos < s), pos, s)
+  padded = jnp.concatenate([low, jnp.zeros(low.shape[:-1] + (1,), low.dtype)], -1)
+  flat = padded.reshape(-1, s + 1)
+  dense = jax.vmap(lambda p, i, v: p.at[i].add(v))(flat, idx.reshape(flat.shape[0], -1),
+                                                   extra.reshape(flat.shape[0], -1))
+  dense = dense.reshape(padded.shape)[..., :s]
+  return jnp.where(jnp.arange(s).reshape((1,) * limit.ndim + (s,)) < limit[..., None], dense, -1.0)
+
+
+def scatter_top_k_reference(low, extra, pos, limit, k: int):
+  """`scatter_top_k` in jnp (the same signature)."""
+  _check_scatter_top_k(low, extra, pos, limit, k)
+  return jax.lax.top_k(scatter_scores(low, extra, pos, limit), k)[1].astype(jnp.int32)
+
+
 def _check_argmax(x) -> None:
   if x.ndim < 1 or x.dtype != jnp.float32 or x.shape[-1] == 0:
     raise ValueError(f"argmax: x must be float32 [..., V] with V >= 1; got {x.dtype} {x.shape}")
@@ -118,6 +164,11 @@ def _top_k_call(k: int, scores_NS):
   return jax.ffi.ffi_call(ck.TOP_K_TARGET, out, vmap_method="sequential")(scores_NS)
 
 
+def _scatter_top_k_call(k: int, low_NS, extra_NE, pos_NE, limit_N):
+  out = jax.ShapeDtypeStruct((low_NS.shape[0], k), jnp.int32)
+  return jax.ffi.ffi_call(ck.SCATTER_TOP_K_TARGET, out, vmap_method="sequential")(low_NS, extra_NE, pos_NE, limit_N)
+
+
 def _argmax_call(x_NV):
   out = jax.ShapeDtypeStruct((x_NV.shape[0],), jnp.int32)
   return jax.ffi.ffi_call(ck.ARGMAX_TARGET, out, vmap_method="sequential")(x_NV)
@@ -132,6 +183,12 @@ def _take_call(buf_NSR, idx_NX):
 @functools.cache
 def _top_k_partitioned(k: int):
   return ck.batch_partitioned(functools.partial(_top_k_call, k), "b s -> b k", 1, ("s", "k"))
+
+
+@functools.cache
+def _scatter_top_k_partitioned(k: int):
+  return ck.batch_partitioned(functools.partial(_scatter_top_k_call, k), "b s, b e, b e, b -> b k", 1,
+                              ("s", "e", "k"))
 
 
 @functools.cache
