@@ -90,7 +90,26 @@ def test_kernel_names_bad_inputs():
     call(*args[:11], args[11].astype(jnp.int32))
   with pytest.raises(ValueError, match=r"lowbit_len .* must be int \[B=1\]"):
     call(*args[:7], jnp.zeros((2,), jnp.int32), *args[8:])
+  with pytest.raises(ValueError, match="split alike"):
+    call(*args[:9], [args[9][:, :, :1], args[9][:, :, 1:]], args[10], args[11])
   assert not cka.supports(1, 8, 16) and cka.supports(2, 8, 16) and not cka.supports(1, 48, 48)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [(21,), (8, 13), (5, 0, 16), (0, 21, 0), (3, 4, 5, 9)])
+def test_kernel_reads_extra_segments_as_their_concatenation(splits):
+  """extra_k / extra_v as segments [B, K, E_i, H] (empty ones, more than the kernel's three): the same results as
+  the one concatenated array, exactly (the columns are scored and summed in the same order)."""
+  args = testing.mixed_inputs(11 + len(splits), batch=2, t=2, kv_heads=2, gqa=3, slots=700, head_dim=64, bits=1,
+                              group_size=64, lengths=[700, 333], n_exclude=5, n_extra=21)
+  cuts = np.cumsum(splits)[:-1]
+  seg = lambda x: [jnp.asarray(p) for p in np.split(np.asarray(x), cuts, axis=2)]
+  kw = dict(bits=1, group_size=64, sm_scale=0.2, prob_rows=2)
+  whole = jax.jit(functools.partial(cka.mixed_decode_attention, **kw))(*args)
+  parts = jax.jit(functools.partial(cka.mixed_decode_attention, **kw))(*args[:9], seg(args[9]), seg(args[10]),
+                                                                       args[11])
+  for name, w, g in zip(("out", "lowbit_probs", "extra_probs"), whole, parts):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
 def _specache(**kw):

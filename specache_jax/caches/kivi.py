@@ -99,10 +99,9 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
             (kn, vn, new_mask)], sm_scale, n_kv)[0]
 
   def kernel_attention():
-    extra = lambda x, y: jnp.concatenate([x.astype(q.dtype), y.astype(q.dtype)], axis=2)
-    return cpu_attention.mixed_decode_attention(
+    return cpu_attention.mixed_decode_attention(                     # the ring and the new rows: two segments
         q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero, val_qlen,
-        jnp.zeros((b, n_kv, 0), jnp.int32), extra(ring_k, kn), extra(ring_v, vn),
+        jnp.zeros((b, n_kv, 0), jnp.int32), (ring_k, kn), (ring_v, vn),
         jnp.concatenate([ring_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1), bits=method.bits,
         group_size=method.group_size, sm_scale=sm_scale)[0]
 

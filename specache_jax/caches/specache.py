@@ -398,10 +398,10 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows')."""
     if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
       raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
-    extra_k = jnp.concatenate([ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype),
-                               kn_BKTH.astype(q.dtype)], axis=2)
-    extra_v = jnp.concatenate([ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype),
-                               vn_BKTH.astype(q.dtype)], axis=2)
+    extra_k = [ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
+    extra_v = [ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype), vn_BKTH.astype(q.dtype)]
+    if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
+      extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
     kw = {} if prob_rows is None else dict(prob_rows=prob_rows)
     out, p_low, p_extra = kernel(

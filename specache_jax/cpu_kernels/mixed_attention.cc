@@ -5,7 +5,9 @@
 // with one softmax over
 //   - low-bit slots s < lowbit_len[b] not listed in exclude[b, k, :] (keys: b-bit codes with per-channel groups
 //     of g slots, q·k̂ = Σ_h q_h z_{p,h} + Σ_h (q_h s_{p,h}) code_{s,h}; values: per-token groups of g channels),
-//   - E extra 16-bit columns where extra_mask[b, k, t, e].
+//   - E extra 16-bit columns where extra_mask[b, k, t, e], their keys and values given in three segments
+//     [B, K, E_i, H] (E = E_0 + E_1 + E_2, in that order; SpeCache's ring, κ rows and new rows, read where they
+//     are instead of concatenated by XLA first; a segment may be empty).
 // Returns every row's output, and for each of the last P rows (t = T-P .. T-1; P = prob_rows) its probabilities
 // averaged over the G heads, split into the low-bit part [P, S] (0 where not attended) and the extra part [P, E].
 //
@@ -305,9 +307,27 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   }
 }
 
+// The extra columns' key and value rows, in up to three segments (`Run`'s extra_k0..2, extra_v0..2).
+struct ExtraRows {
+  const float* k[3];
+  const float* v[3];
+  int64_t e[3];
+  int64_t hd;
+  // Row j (0 <= j < E) of (b, k) = bk: segment i = the first with j < E_0 + .. + E_i.
+  const float* Key(int64_t bk, int64_t j) const { return Row(k, bk, j); }
+  const float* Value(int64_t bk, int64_t j) const { return Row(v, bk, j); }
+
+ private:
+  const float* Row(const float* const* seg, int64_t bk, int64_t j) const {
+    int i = 0;
+    while (j >= e[i]) j -= e[i++];
+    return seg[i] + (bk * e[i] + j) * hd;
+  }
+};
+
 // Phase 2 for one (b, k): merge the chunks and the extra columns (16 channels at a time: each extra column's
 // score is one vector dot, their exps 16 columns at a time, each value row added as hd/16 vectors).
-void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, const float* ev, const uint8_t* emask,
+void MergeItem(const Shapes& d, int64_t bk, const float* q, const ExtraRows& extra, const uint8_t* emask,
                const float* c_max, const float* c_sum, const float* c_out, const float* last_p, float* out,
                float* p_low, float* p_extra) {
   const int64_t m = d.m, hd = d.hd, e = d.e, nc = d.n_chunks, n_rep = d.m / d.t, nv = hd / 16;
@@ -323,7 +343,7 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
     for (int64_t j = 0; j < e; ++j) {
       le[j] = kNegInf;
       if (!mrow[j]) continue;
-      const float* kr = ek + (bk * e + j) * hd;
+      const float* kr = extra.Key(bk, j);
       V acc = qv[0] * Load(kr);
       for (int64_t i = 1; i < nv; ++i) acc += qv[i] * Load(kr + 16 * i);
       le[j] = Sum(acc);
@@ -349,7 +369,7 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const float* ek, con
     z += Sum(zv);
     for (int64_t j = 0; j < e; ++j) {
       if (!mrow[j]) continue;                            // never read a masked row (it may hold anything)
-      const float* vr = ev + (bk * e + j) * hd;
+      const float* vr = extra.Value(bk, j);
       for (int64_t i = 0; i < nv; ++i) acc[i] += le[j] * Load(vr + 16 * i);
     }
     const float inv = 1.f / z;
@@ -392,15 +412,30 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
                ffi::Buffer<ffi::F32> q,
                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> k_zero,
                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> v_zero,
-               ffi::Buffer<ffi::S32> lowbit_len, ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::F32> extra_k,
-               ffi::Buffer<ffi::F32> extra_v, ffi::Buffer<ffi::U8> extra_mask, ffi::ResultBuffer<ffi::F32> out,
+               ffi::Buffer<ffi::S32> lowbit_len, ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::F32> extra_k0,
+               ffi::Buffer<ffi::F32> extra_k1, ffi::Buffer<ffi::F32> extra_k2, ffi::Buffer<ffi::F32> extra_v0,
+               ffi::Buffer<ffi::F32> extra_v1, ffi::Buffer<ffi::F32> extra_v2,
+               ffi::Buffer<ffi::U8> extra_mask, ffi::ResultBuffer<ffi::F32> out,
                ffi::ResultBuffer<ffi::F32> probs_low, ffi::ResultBuffer<ffi::F32> probs_extra) {
   const auto qd = q.dimensions(), kd = k_codes.dimensions(), sd = k_scale.dimensions();
-  const auto vd = v_scale.dimensions(), xd = exclude.dimensions(), ed = extra_k.dimensions();
-  CHECK_ARG(qd.size() == 4 && kd.size() == 4 && sd.size() == 4 && vd.size() == 4 && xd.size() == 3 &&
-                ed.size() == 4, "ranks");
+  const auto vd = v_scale.dimensions(), xd = exclude.dimensions();
+  CHECK_ARG(qd.size() == 4 && kd.size() == 4 && sd.size() == 4 && vd.size() == 4 && xd.size() == 3, "ranks");
+  const std::array<ffi::Buffer<ffi::F32>*, 3> eks{&extra_k0, &extra_k1, &extra_k2}, evs{&extra_v0, &extra_v1, &extra_v2};
+  ExtraRows extra{};
+  int64_t e_total = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto kd_i = eks[i]->dimensions(), vd_i = evs[i]->dimensions();
+    CHECK_ARG(kd_i.size() == 4 && vd_i.size() == 4 && kd_i[0] == qd[0] && kd_i[1] == qd[1] && kd_i[3] == qd[3] &&
+                  vd_i[0] == kd_i[0] && vd_i[1] == kd_i[1] && vd_i[2] == kd_i[2] && vd_i[3] == kd_i[3],
+              "extra key/value segments must be [B, K, E_i, H], the same for keys and values");
+    extra.k[i] = eks[i]->typed_data();
+    extra.v[i] = evs[i]->typed_data();
+    extra.e[i] = kd_i[2];
+    e_total += kd_i[2];
+  }
+  extra.hd = qd[3];
   CHECK_ARG(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
-  Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], ed[2], group_size, 0, 0,
+  Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], e_total, group_size, 0, 0,
            prob_rows};
   CHECK_ARG(d.t >= 1 && d.m % d.t == 0, "rows M must be G·T");
   CHECK_ARG(d.p >= 1 && d.p <= d.t, "prob_rows must be in [1, T]");
@@ -436,7 +471,7 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
         chunk(d, bk, ci, qp, kc, ks, kz, vc, vs, vz, len, excl, c_max, c_sum, c_out, last_p);
       },
       [&](int64_t bk) {
-        MergeItem(d, bk, qp, extra_k.typed_data(), extra_v.typed_data(), extra_mask.typed_data(), c_max, c_sum, c_out,
+        MergeItem(d, bk, qp, extra, extra_mask.typed_data(), c_max, c_sum, c_out,
                   last_p, op, pl, pe);
       });
   return ffi::Error::Success();
@@ -460,8 +495,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MixedDecodeAttention, Run,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_zero
                                   .Arg<ffi::Buffer<ffi::S32>>()   // lowbit_len [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // exclude [B, K, X]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_k [B, K, E, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_v
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_k0 [B, K, E_0, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_k1 [B, K, E_1, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_k2 [B, K, E_2, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_v0 (as extra_k0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_v1
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // extra_v2
                                   .Arg<ffi::Buffer<ffi::U8>>()    // extra_mask [B, K, T, E]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, K, M, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // last P rows' low-bit probabilities [B, K, P, S]
