@@ -203,6 +203,9 @@ def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp
   key_qlen, _ = boundaries(lengths_B, residual)
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
   low_keys = last_window_keys(st, key_qlen, bits=bits, group_size=group_size, residual=residual, dtype=dtype)
-  use_16 = (pos >= key_qlen[:, None, None])[..., None]
+  # pos >= key_qlen, as slot < len - key_qlen (slot s holds key_qlen + s or key_qlen - R + s): one compare per
+  # element where XLA:CPU's fused loop otherwise recomputed ring_positions' modular arithmetic for every channel
+  slot = jnp.arange(residual, dtype=jnp.int32)[None, None, :]
+  use_16 = (slot < (lengths_B - key_qlen)[:, None, None])[..., None]
   keys = jnp.where(use_16, st.ring_k.astype(dtype), low_keys)
   return keys, st.ring_v, pos
