@@ -128,3 +128,35 @@ def test_group_not_dividing_head_dim_fails_before_compiling():
   model = tiny_model(seed=0, head_dim=16)
   with pytest.raises(ValueError, match="must divide head_dim=16"):
     sj.generate(model, [[1, 2, 3]], cache=sj.cache_config("kivi", group_size=32, residual=64))
+
+
+@pytest.mark.parametrize("bits,group_size", [(1, 16), (2, 8), (4, 16), (8, 4)])
+def test_ring_keys_kernel_equals_its_reference(bits, group_size):
+  """`cpu_kernels.ring_keys` (XLA:CPU) against its jnp reference on fresh random buffers: ragged lengths (none
+  stored, mid-window, a window just flushed, past several windows), a scale large enough for q·scale + zero to
+  overflow (the reference's halved form), and the lowering: the custom call on the CPU only."""
+  from specache_jax import cpu_kernels as ck
+  from specache_jax.cpu_kernels import ring_keys as rk
+  if not ck.available():
+    pytest.skip(f"CPU kernels {ck.status()}")
+  rng = np.random.default_rng(10 * bits + group_size)
+  b, n_kv, r, h, s = 5, 2, 16, 32, 80
+  ring = jnp.asarray(rng.standard_normal((b, n_kv, r, h)), jnp.float32)
+  codes = jnp.asarray(rng.integers(0, 256, (b, n_kv, s, h * bits // 8)), jnp.uint8)
+  scale = rng.random((b, n_kv, s // group_size, h)).astype(np.float32)
+  scale[3, 1, 3] = 3e38                                           # row 3's window: q·scale + zero overflows
+  zero = rng.standard_normal((b, n_kv, s // group_size, h)).astype(np.float32)
+  zero[3, 1, 3] = 3e38
+  lengths = jnp.asarray([0, 7, 32, 61, 80], jnp.int32)
+  args = (ring, codes, jnp.asarray(scale), jnp.asarray(zero), lengths)
+  kw = dict(bits=bits, group_size=group_size)
+  got = np.asarray(jax.jit(lambda *a: rk.ring_keys(*a, **kw))(*args))
+  want = np.asarray(rk.ring_keys_reference(*args, **kw))
+  assert got.shape == (b, n_kv, r, h) and np.isfinite(want[3]).all()
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(got[1, :, :7], np.asarray(ring)[1, :, :7])       # 16-bit slots: the ring's rows
+  cpu = jax.jit(lambda *a: rk.ring_keys(*a, **kw)).trace(*args).lower().as_text()
+  gpu = jax.jit(lambda *a: rk.ring_keys(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert ck.RING_KEYS_TARGET in cpu and ck.RING_KEYS_TARGET not in gpu
+  with pytest.raises(ValueError, match="R=16 a multiple of group_size"):
+    rk.ring_keys(*args, bits=bits, group_size=32)

@@ -16,6 +16,7 @@ from flax import struct
 from specache_jax import quant
 from specache_jax.caches import attention as A
 from specache_jax.caches import packed
+from specache_jax.cpu_kernels import ring_keys as cpu_ring
 
 
 @struct.dataclass
@@ -179,33 +180,16 @@ def dequantized(st: LowBit, *, bits, group_size, dtype=jnp.float32):
   return keys, values
 
 
-def last_window_keys(st: LowBit, key_qlen_B, *, bits, group_size, residual, dtype=jnp.float32):
-  """The dequantized keys of each row's last flushed window [key_qlen - R, key_qlen) -> [B, K, R, H]; row s is
-  position key_qlen - R + s, which sits in ring slot s (key_qlen is a multiple of R). Contiguous slices of the
-  codes and of the R/g key groups (no gather); garbage where key_qlen = 0 (no window yet)."""
-  n_kv, r, h = st.k_codes.shape[1], residual, st.k_scale.shape[-1]
-  start = jnp.maximum(key_qlen_B - r, 0)
-  take = lambda buf, at, n: jnp.concatenate([jax.lax.dynamic_slice(                 # noqa: E731
-      buf, (i, 0, at[i], 0), (1, n_kv, n, buf.shape[-1])) for i in range(buf.shape[0])], axis=0)
-  codes = take(st.k_codes, start, r)
-  scale, zero = (jnp.repeat(take(x, start // group_size, r // group_size), group_size, axis=2)
-                 for x in (st.k_scale, st.k_zero))
-  return quant.dequantize_minmax(quant.unpack_bits(codes, bits, h), scale, zero, dtype)
-
-
 def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp.float32):
   """The ring as attention columns: (keys [B,K,R,H], values [B,K,R,H], positions [B,K,R]).
 
   A ring slot whose position is below key_qlen has a quantized key (KIVI's rule), so its key column is the
-  dequantized low-bit key; above it, the 16-bit ring key. Values are always the 16-bit ring values.
+  dequantized low-bit key (row s of the last flushed window; garbage in slots without a position); above it, the
+  16-bit ring key (`cpu_kernels.ring_keys`: a kernel on XLA:CPU beside its jnp reference). Values are always the
+  16-bit ring values.
   """
   b, n_kv = st.ring_k.shape[:2]
-  key_qlen, _ = boundaries(lengths_B, residual)
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
-  low_keys = last_window_keys(st, key_qlen, bits=bits, group_size=group_size, residual=residual, dtype=dtype)
-  # pos >= key_qlen, as slot < len - key_qlen (slot s holds key_qlen + s or key_qlen - R + s): one compare per
-  # element where XLA:CPU's fused loop otherwise recomputed ring_positions' modular arithmetic for every channel
-  slot = jnp.arange(residual, dtype=jnp.int32)[None, None, :]
-  use_16 = (slot < (lengths_B - key_qlen)[:, None, None])[..., None]
-  keys = jnp.where(use_16, st.ring_k.astype(dtype), low_keys)
+  keys = cpu_ring.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
+                            group_size=group_size, dtype=dtype)
   return keys, st.ring_v, pos

@@ -18,6 +18,9 @@ greedy token (jnp.argmax's index, exactly) (`select.cc`).
 `dense_attention.decode_attention`: the full cache's decoding attention over a dense float32 cache
 (`dense_attention.cc`), chunks of slots with an online softmax, reading only the attended slots.
 
+`ring_keys.ring_keys`: the low-bit cache's ring as key columns (16-bit rows, or the last flushed window's rows
+dequantized) for KIVI's and SpeCache's attention (`ring_keys.cc`).
+
 The C++ sources are compiled on first use, into one library, with the machine's C++ compiler (`-O3
 -march=native`) against the XLA FFI headers of the installed jaxlib, into a cache folder
 (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
@@ -50,7 +53,8 @@ MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
 DENSE_ROWS = {"dn": (1, 8), "nd": (1, 8)}
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc",
-                                                          "prefill_attention.cc", "dense_attention.cc"))
+                                                          "prefill_attention.cc", "dense_attention.cc",
+                                                          "ring_keys.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("common.h", "mixed_values.h"))
 TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
@@ -60,6 +64,7 @@ ARGMAX_TARGET = "specache_argmax"
 SCATTER_TOP_K_TARGET = "specache_scatter_top_k"
 PREFILL_TARGET = "specache_prefill_attention"
 DENSE_TARGET = "specache_dense_decode_attention"
+RING_KEYS_TARGET = "specache_ring_keys"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
 
@@ -113,6 +118,7 @@ def _load() -> tuple[bool, str]:
                                 platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(handle.PrefillAttention), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(handle.DenseDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(RING_KEYS_TARGET, jax.ffi.pycapsule(handle.RingKeysHandler), platform="cpu")
   except (RuntimeError, OSError) as e:
     return False, f"unavailable: {e}"
   return True, f"on ({lib})"

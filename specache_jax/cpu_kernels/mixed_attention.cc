@@ -420,7 +420,8 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   const auto qd = q.dimensions(), kd = k_codes.dimensions(), sd = k_scale.dimensions();
   const auto vd = v_scale.dimensions(), xd = exclude.dimensions();
   CHECK_ARG(qd.size() == 4 && kd.size() == 4 && sd.size() == 4 && vd.size() == 4 && xd.size() == 3, "ranks");
-  const std::array<ffi::Buffer<ffi::F32>*, 3> eks{&extra_k0, &extra_k1, &extra_k2}, evs{&extra_v0, &extra_v1, &extra_v2};
+  const std::array<ffi::Buffer<ffi::F32>*, 3> eks{&extra_k0, &extra_k1, &extra_k2};
+  const std::array<ffi::Buffer<ffi::F32>*, 3> evs{&extra_v0, &extra_v1, &extra_v2};
   ExtraRows extra{};
   int64_t e_total = 0;
   for (int i = 0; i < 3; ++i) {

@@ -138,7 +138,8 @@ ffi::Error ScatterTopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> low, ffi::Buf
       pd[0] != ld[0] || pd[1] != ed[1] || md[0] != ld[0] || od[0] != ld[0])
     return ffi::Error::InvalidArgument("scatter_top_k: low [N, S], extra [N, E], pos [N, E], limit [N] -> [N, k]");
   const int64_t rows = ld[0], s = ld[1], e = ed[1], k = od[1];
-  if (k > s) return ffi::Error::InvalidArgument("scatter_top_k: k = " + std::to_string(k) + " > S = " + std::to_string(s));
+  if (k > s)
+    return ffi::Error::InvalidArgument("scatter_top_k: k = " + std::to_string(k) + " > S = " + std::to_string(s));
   if (k == 0 || rows == 0) return ffi::Error::Success();
   const float *lp = low.typed_data(), *ep = extra.typed_data();
   const int32_t *pp = pos.typed_data(), *mp = limit.typed_data();

@@ -5,8 +5,8 @@ At 8k slots XLA:CPU spent ~0.11 ms per layer in its TopK (k=64 of [3, 8448], a p
 through an indirect comparator) and ~0.05 ms per gather of 64 rows per head from the simulated 16-bit cache
 (an index computed per element): ~6 ms of a ~45 ms SmolLM2-135M SpeCache step. The kernels pick the same indices
 (`top_k_indices`: lax.top_k's order, ties to the lower index, NaNs and signed zeros in XLA's total order) and
-copy whole rows (`take_rows`). The greedy token's argmax over SmolLM2's 49152 logits took XLA:CPU's variadic reduce
-~85 µs per row (two rows per sequence and step for SpeCache); `argmax` reads the row twice at memory speed.
+copy whole rows (`take_rows`). The greedy token's argmax over SmolLM2's 49152 logits took XLA:CPU's variadic
+reduce ~85 µs per row (two rows per sequence and step for SpeCache); `argmax` reads the row twice at memory speed.
 
 Callers (`caches/specache.py`, `caches/attention.py`, `decode.py`) take them on the CPU backend where they `apply` and lower
 to the references for every other platform (`lax.platform_dependent`).
