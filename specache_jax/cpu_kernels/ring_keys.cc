@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -19,6 +20,24 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+constexpr int64_t kMaxHeadDim = 1024;
+
+// Row `row` of b-bit codes (H codes) dequantized into dst: codes unpacked first, then one vectorizable pass;
+// not finite (overflow or NaN) -> the halved form, as jnp.where(isfinite(plain), plain, halved).
+template <int BITS>
+void DequantRow(const uint8_t* row, const float* sc, const float* zr, int64_t h, float* dst) {
+  constexpr int kPer = 8 / BITS;
+  constexpr uint32_t kMask = (1u << BITS) - 1;
+  float q[kMaxHeadDim];
+  for (int64_t c = 0; c < h / kPer; ++c)
+    for (int j = 0; j < kPer; ++j) q[c * kPer + j] = static_cast<float>((row[c] >> (j * BITS)) & kMask);
+  for (int64_t i = 0; i < h; ++i) {
+    const float plain = q[i] * sc[i] + zr[i];
+    const float halved = (q[i] * (sc[i] * 0.5f) + zr[i] * 0.5f) * 2.0f;
+    dst[i] = std::fabs(plain) <= std::numeric_limits<float>::max() ? plain : halved;
+  }
+}
 
 ffi::Error RingKeys(int64_t bits, int64_t group_size, ffi::Buffer<ffi::F32> ring_k, ffi::Buffer<ffi::U8> codes,
                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zero, ffi::Buffer<ffi::S32> lengths,
@@ -35,8 +54,9 @@ ffi::Error RingKeys(int64_t bits, int64_t group_size, ffi::Buffer<ffi::F32> ring
   const int64_t b_n = rd[0], kh = rd[1], r = rd[2], h = rd[3], s = cd[2], c = cd[3], p = sd[2], g = group_size;
   if (c * 8 != h * bits || g < 1 || r % g || s < r || p * g < s)
     return ffi::Error::InvalidArgument("ring_keys: need C = H·bits/8, R a multiple of g, S >= R, P·g >= S");
-  const int per_byte = 8 / static_cast<int>(bits);
-  const uint32_t mask = (1u << bits) - 1;
+  if (h > kMaxHeadDim) return ffi::Error::InvalidArgument("ring_keys: head_dim above 1024");
+  const auto dequant = bits == 1 ? &DequantRow<1> : bits == 2 ? &DequantRow<2> : bits == 4 ? &DequantRow<4>
+                                                                                          : &DequantRow<8>;
   const float* ring = ring_k.typed_data();
   const uint8_t* cp = codes.typed_data();
   const float *sp = scale.typed_data(), *zp = zero.typed_data();
@@ -57,11 +77,7 @@ ffi::Error RingKeys(int64_t bits, int64_t group_size, ffi::Buffer<ffi::F32> ring
         const uint8_t* row = cp + (bk * s + start + slot) * c;
         const float* sc = sp + (bk * p + g0 + slot / g) * h;
         const float* zr = zp + (bk * p + g0 + slot / g) * h;
-        for (int64_t i = 0; i < h; ++i) {
-          const float q = static_cast<float>((row[i / per_byte] >> ((i % per_byte) * bits)) & mask);
-          const float plain = q * sc[i] + zr[i];
-          dst[i] = std::isfinite(plain) ? plain : (q * (sc[i] * 0.5f) + zr[i] * 0.5f) * 2.0f;
-        }
+        dequant(row, sc, zr, h, dst);
       }
     }
   }
