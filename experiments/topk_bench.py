@@ -1,5 +1,5 @@
 """SpeCache's κ selection on this CPU: one `lax.top_k` over all S slots vs the blocked exact top-k
-(`specache.top_k_indices`: top-k per block, then top-k of the candidates).
+(`selection.top_k_indices`: top-k per block, then top-k of the candidates).
 
   python -m experiments.topk_bench --out=results/topk_cpu          # writes .json and .md
   python -m experiments.topk_bench --out=/tmp/t --sizes=1024 --rounds=3   # smoke
@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from specache_jax.bench import timing
-from specache_jax.caches.specache import TOPK_BLOCK, top_k_indices
+from specache_jax.caches.selection import TOPK_BLOCK, top_k_indices
 
 _OUT = flags.DEFINE_string("out", "results/topk_cpu", "output path without extension (.json and .md)")
 _SIZES = flags.DEFINE_list("sizes", ["1024", "4096", "8192", "32768"], "cached lengths S")
@@ -71,12 +71,12 @@ def _markdown(rep: dict) -> str:
     rows.append(f"| {name} | " + " | ".join(f"{v:.3f} ({b / v:.1f}×)" for v, b in zip(vals, base)) + " |")
   m = rep["meta"]
   return "\n".join([
-      "# κ selection: lax.top_k vs the blocked exact top-k (specache.top_k_indices) on this CPU", "",
+      "# κ selection: lax.top_k vs the blocked exact top-k (selection.top_k_indices) on this CPU", "",
       f"Command: `{m['command']}`", "",
       f"- machine: {m['machine']}; load average at start {m['load_start']}, at end {m['load_end']}",
       f"- scores [B, {N_KV}, S] float32, k = {m['k']}, {m['layers']} layers per program; ms per layer, median "
       f"of {m['rounds']} interleaved rounds (speed-up vs lax.top_k); every variant's indices equal lax.top_k's",
-      f"- the library's block (`specache.TOPK_BLOCK`): {TOPK_BLOCK}", "",
+      f"- the library's block (`selection.TOPK_BLOCK`): {TOPK_BLOCK}", "",
       *head, *rows, ""])
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from specache_jax import cpu_kernels as ck
 from specache_jax.caches import attention as A
+from specache_jax.caches import selection
 from specache_jax.caches import specache as sc
 from specache_jax.cpu_kernels import select
 
@@ -104,19 +105,19 @@ def test_scatter_top_k_equals_the_dense_scores_top_k(kind, s):
   method = sc.SpeCacheConfig(topk=min(s, 64))
   n_b = jnp.asarray([s // 2, s], jnp.int32)
   pos_in = jnp.asarray(np.where((pos >= 0) & (pos < s), pos, s))
-  scores = sc.Scores(jnp.asarray(low)[:, :, None], jnp.asarray(extra)[:, :, None], pos_in)
-  np.testing.assert_array_equal(np.asarray(jax.jit(lambda sc_, n: sc.select_row(method, sc_, -1, n))(scores, n_b)),
-                                np.asarray(sc.select(method, scores.dense()[:, :, -1], n_b)))
+  scores = selection.Scores(jnp.asarray(low)[:, :, None], jnp.asarray(extra)[:, :, None], pos_in)
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda sc_, n: selection.select_row(method, sc_, -1, n))(scores, n_b)),
+                                np.asarray(selection.select(method, scores.dense()[:, :, -1], n_b)))
 
 
 @needs_kernel
 def test_specache_step_picks_kappa_by_the_fused_selection_on_cpu():
   """The default SpeCache step's κ_{t+1} goes through `scatter_top_k` (no separate TopK) on the CPU."""
-  scores = sc.Scores(jnp.zeros((1, 2, 1, 300)), jnp.zeros((1, 2, 1, 9)), jnp.full((1, 2, 9), 300, jnp.int32))
+  scores = selection.Scores(jnp.zeros((1, 2, 1, 300)), jnp.zeros((1, 2, 1, 9)), jnp.full((1, 2, 9), 300, jnp.int32))
   method = sc.SpeCacheConfig(topk=8)
-  text = jax.jit(lambda s_, n: sc.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower().as_text()
+  text = jax.jit(lambda s_, n: selection.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower().as_text()
   assert ck.SCATTER_TOP_K_TARGET in text and ck.TOP_K_TARGET not in text
-  gpu = jax.jit(lambda s_, n: sc.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower(
+  gpu = jax.jit(lambda s_, n: selection.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower(
       lowering_platforms=("cuda",)).as_text()
   assert ck.SCATTER_TOP_K_TARGET not in gpu
 
@@ -181,7 +182,7 @@ def test_callers_take_the_kernels_on_cpu_only():
   buf = jnp.zeros((2, 3, 300, 16), jnp.float32)
 
   def fn(scores, buf):
-    idx = sc.top_k_indices(scores, 8)
+    idx = selection.top_k_indices(scores, 8)
     return idx, A.gather_rows(buf, idx)
 
   cpu = jax.jit(fn).trace(scores, buf).lower().as_text()

@@ -10,6 +10,7 @@ import specache_jax as sj
 from specache_jax import decode
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
+from specache_jax.caches import selection
 from specache_jax.caches import specache as sc
 from specache_jax.decode import init_cache
 from specache_jax.model import decoder as dec
@@ -156,7 +157,7 @@ def test_select_hedged_takes_the_real_rows_top_then_the_speculative_rows_best_ot
   spec = jnp.asarray(rng.random((2, 3, 50)), jnp.float32)
   n = jnp.asarray([50, 21])
   for m, shift in ((method, 0), (shifted, 1)):
-    kappa = np.asarray(sc.select_hedged(m, real, spec, n))
+    kappa = np.asarray(selection.select_hedged(m, real, spec, n))
     for b in range(2):
       for k in range(3):
         row = kappa[b, k]
@@ -291,7 +292,7 @@ def test_candidates_merge_their_probabilities_into_one_top_k():
   rng = np.random.default_rng(1)
   probs = jnp.asarray(rng.random((2, 3, 4, 40)), jnp.float32)              # rows: real, 3 candidates
   n = jnp.asarray([39, 20])
-  scores = sc.Scores(probs, jnp.zeros((2, 3, 4, 0)), jnp.zeros((2, 3, 0), jnp.int32))   # no 16-bit columns
+  scores = selection.Scores(probs, jnp.zeros((2, 3, 4, 0)), jnp.zeros((2, 3, 0), jnp.int32))   # no 16-bit columns
   for merge, fn in (("max", np.max), ("mean", np.mean)):
     method = sj.cache_config("specache", topk=5, candidates=3, candidate_merge=merge, **BASE)
     kappa = np.asarray(sc._next_kappa(method, scores, n))

@@ -198,7 +198,7 @@ def test_exact_on_miss_refetches_when_speculation_fails_and_offload_agrees():
 def test_blocked_top_k_is_lax_top_k_exactly_including_ties(s, k, block):
   """The per-block top-k then top-k of the candidates returns lax.top_k's indices, in its order, also with
   many equal scores (masked slots are all -1) and a ragged last block."""
-  from specache_jax.caches.specache import top_k_indices
+  from specache_jax.caches.selection import top_k_indices
   rng = np.random.default_rng(s + k)
   scores = rng.integers(0, 7, size=(2, 3, s)).astype(np.float32) / 7.0      # heavy ties
   scores[0, :, s // 3:] = -1.0                                              # a masked tail, as `select` does

@@ -29,7 +29,7 @@ from specache_jax.bench import states, timing
 from specache_jax.bench.common import random_prompts
 from specache_jax.caches import attention as A
 from specache_jax.caches import cache_config, lowbit
-from specache_jax.caches import specache as sc
+from specache_jax.caches import selection
 from specache_jax.model.decoder import forward_jit
 
 
@@ -88,7 +88,7 @@ def _scatter(kappa_BKX, probs_BKS, extra_idx_BKE, extra_p_BKE):
 
 @functools.partial(jax.jit, static_argnames=("method",))
 def _top_k(probs_BKS, lengths, *, method):
-  return sc.select(method, probs_BKS, lengths + 1)
+  return selection.select(method, probs_BKS, lengths + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("method",))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +32,10 @@ from specache_jax import cpu_kernels as ck
 from specache_jax import quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
+from specache_jax.caches import selection
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
-from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
@@ -257,92 +256,6 @@ def _fetch(method: SpeCacheConfig, st: State, kappa_BKX) -> State:
   return st.replace(kappa=kappa_BKX) if method.offload else fetch_simulated(st, kappa_BKX)
 
 
-def candidates(method: SpeCacheConfig, n_B):
-  """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
-  those below the ring's 16-bit keys (`lowbit.boundaries`' key_qlen), which that attend never reads from κ."""
-  return lowbit.boundaries(n_B, method.residual)[0] if method.skip_ring else n_B
-
-
-def select(method: SpeCacheConfig, probs_BKS, n_B):
-  """κ for an attend after n_B stored tokens: top-k positions of the group-averaged probabilities among the
-  `candidates`."""
-  return top_k_indices(_candidate_scores(method, probs_BKS, n_B), method.topk)
-
-
-class Scores(NamedTuple):
-  """An attention's probabilities per position as the fused kernels return them, in two parts: low [B, K, R, S]
-  over the low-bit positions (0 where not attended) and extra [B, K, R, E] over the 16-bit columns (the ring, κ,
-  the new rows), whose positions are extra_pos [B, K, E] (S where a column holds no stored position)."""
-  low: jax.Array
-  extra: jax.Array
-  extra_pos: jax.Array
-
-  def dense(self):
-    """[B, K, R, S] float32: the extra columns' probabilities added at their positions."""
-    s = self.low.shape[-1]
-    probs = jnp.concatenate([self.low, jnp.zeros(self.low.shape[:3] + (1,), jnp.float32)], -1)
-    add = jax.vmap(lambda p, i, v: p.at[i].add(v), in_axes=(0, None, 0))         # the rows of one (b, k)
-    return jax.vmap(jax.vmap(add))(probs, self.extra_pos, self.extra)[..., :s]
-
-
-def select_row(method: SpeCacheConfig, scores: Scores, row: int, n_B):
-  """`select` from row `row` of `scores`, i.e. select(method, scores.dense()[:, :, row], n_B), exactly; on XLA:CPU
-  the scatter, the candidate mask and the top-k are one custom call (`cpu_select.scatter_top_k`)."""
-  low, extra = scores.low[:, :, row], scores.extra[:, :, row]
-  limit = jnp.broadcast_to(candidates(method, n_B)[:, None], low.shape[:2]).astype(jnp.int32)
-  k = method.topk
-  return ck.on_cpu(cpu_select.applies() and TOPK_BLOCK is None,
-                   lambda *a: cpu_select.scatter_top_k(*a, k),
-                   lambda *a: top_k_indices(cpu_select.scatter_scores(*a), k),
-                   low, extra, scores.extra_pos, limit)
-
-
-def _candidate_scores(method: SpeCacheConfig, probs_BKS, n_B):
-  ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
-  return jnp.where(ok, probs_BKS, -1.0)
-
-
-def select_hedged(method: SpeCacheConfig, real_BKS, spec_BKS, n_B):
-  """κ_{t+1} with `hedge` of its k rows from the real row's probabilities (moved `hedge_shift` positions
-  forward) and the rest from the speculative row's, never the same position twice. [B, K, X] int32."""
-  s = real_BKS.shape[-1]
-  shift = method.hedge_shift
-  moved = jnp.pad(real_BKS, ((0, 0), (0, 0), (shift, 0)), constant_values=-1.0)[..., :s] if shift else real_BKS
-  from_real = top_k_indices(_candidate_scores(method, moved, n_B), method.hedge)
-  spec = _candidate_scores(method, spec_BKS, n_B)
-  spec = jax.vmap(jax.vmap(lambda p, i: p.at[i].set(-2.0)))(spec, from_real)    # below every candidate
-  from_spec = top_k_indices(spec, method.topk - method.hedge)
-  return jnp.concatenate([from_real, from_spec], axis=-1)
-
-
-# Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU, `cpu_kernels.select`'s kernel).
-# Measured on XLA:CPU (results/topk_cpu.md, before that kernel): its TopK was already faster than any blocked
-# variant (k=64, S=8192: 0.11 ms vs 0.15-0.76 ms), so the default is None. XLA:GPU's fast TopK targets small k
-# and may sort the whole axis at k=64: the GPU check measures the blocked form there.
-TOPK_BLOCK = None
-
-
-def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
-  """int32 indices of `lax.top_k(scores, k)` along the last axis, exactly (ties: the lower index first, as
-  lax.top_k), computed as the top-k of every block of `block` slots, then the top-k of those candidates.
-
-  Exact because each of the k largest is among its own block's k largest; ties agree because candidates are
-  laid out block by block, each block's in lax.top_k's order. For S > block it reads S scores once and sorts
-  only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
-  s = scores_BKS.shape[-1]
-  if block is None or block < k or s <= block:
-    return ck.on_cpu(scores_BKS.dtype == jnp.float32 and cpu_select.applies(),      # XLA:CPU: select.cc
-                     lambda x: cpu_select.top_k_indices(x, k), lambda x: cpu_select.top_k_indices_reference(x, k),
-                     scores_BKS)
-  n_blocks = -(-s // block)
-  lead = scores_BKS.shape[:-1]
-  padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)
-  vals, idx = jax.lax.top_k(padded.reshape(lead + (n_blocks, block)), k)          # [..., n_blocks, k]
-  idx = idx + (jnp.arange(n_blocks, dtype=idx.dtype) * block).reshape((1,) * len(lead) + (n_blocks, 1))
-  _, pick = jax.lax.top_k(vals.reshape(lead + (n_blocks * k,)), k)
-  return jnp.take_along_axis(idx.reshape(lead + (n_blocks * k,)), pick, axis=-1).astype(jnp.int32)
-
-
 def _membership(pos_BKY, set_BKX):
   """[B, K, Y] bool: pos in set (entries of set < 0 are empty)."""
   return jnp.any(pos_BKY[..., None] == set_BKX[:, :, None, :], axis=-1)
@@ -425,7 +338,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)
   idx = jnp.where(extra_ok, extra_pos, s).astype(jnp.int32)                 # invalid -> no position (S)
-  return out, Scores(probs_low, probs_extra, idx)
+  return out, selection.Scores(probs_low, probs_extra, idx)
 
 
 def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
@@ -457,7 +370,7 @@ def _hit_stats(method: SpeCacheConfig, st: State, q, lengths, kappa_used):
   # the target: the real row's exact top-k over every stored position, whatever the method's candidates
   # (skip_ring's included); slots past a row's length only fill it when n < k and never match a valid κ entry
   stored = jnp.arange(s)[None, None, :] < lengths[:, None, None]
-  exact = top_k_indices(jnp.where(stored, p, -1.0), method.topk)          # [B, K, X]
+  exact = selection.top_k_indices(jnp.where(stored, p, -1.0), method.topk)          # [B, K, X]
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(_membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
@@ -529,16 +442,16 @@ def merge_candidates(method: SpeCacheConfig, probs_BKCS):
   return (jnp.max if method.candidate_merge == "max" else jnp.mean)(probs_BKCS, axis=2)
 
 
-def _next_kappa(method: SpeCacheConfig, probs_BKRS: Scores, lengths):
-  """κ_{t+1} from this step's probabilities (rows: `_probability_rows`); candidates: `candidates(method, n + 1)`
-  (0..n, T_t included; with skip_ring only those below the ring)."""
+def _next_kappa(method: SpeCacheConfig, probs_BKRS: selection.Scores, lengths):
+  """κ_{t+1} from this step's probabilities (rows: `_probability_rows`); candidates:
+  `selection.candidates(method, n + 1)` (0..n, T_t included; with skip_ring only those below the ring)."""
   if method.candidates == 1 and not method.hedge:
-    return select_row(method, probs_BKRS, -1, lengths + 1)
+    return selection.select_row(method, probs_BKRS, -1, lengths + 1)
   probs_BKRS = probs_BKRS.dense()
   spec = merge_candidates(method, probs_BKRS[:, :, -method.candidates:])
   if method.hedge:
-    return select_hedged(method, probs_BKRS[:, :, 0], spec, lengths + 1)
-  return select(method, spec, lengths + 1)
+    return selection.select_hedged(method, probs_BKRS[:, :, 0], spec, lengths + 1)
+  return selection.select(method, spec, lengths + 1)
 
 
 def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -603,7 +516,7 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   correct_with_fetched, the rows of st.kappa scored from their fetched 16-bit keys)."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched)
-  return select_row(method, probs, -1, lengths)
+  return selection.select_row(method, probs, -1, lengths)
 
 
 def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -612,7 +525,7 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
   st = _with_spec_query(method, st, q)     # T1 is step 1's real row (the same query at layer 0; deeper layers
                                            # differ by the low-bit-only attention of this pass)
-  return out, _fetch(method, st, select_row(method, probs, -1, lengths)), {}    # stored positions 0..L-1
+  return out, _fetch(method, st, selection.select_row(method, probs, -1, lengths)), {}    # stored positions 0..L-1
 
 
 def device_bytes(method, st: State) -> int:

@@ -8,7 +8,8 @@ through an indirect comparator) and ~0.05 ms per gather of 64 rows per head from
 copy whole rows (`take_rows`). The greedy token's argmax over SmolLM2's 49152 logits took XLA:CPU's variadic
 reduce ~85 µs per row (two rows per sequence and step for SpeCache); `argmax` reads the row twice at memory speed.
 
-Callers (`caches/specache.py`, `caches/attention.py`, `decode.py`) take them on the CPU backend where they `apply` and lower
+Callers (`caches/selection.py`, `caches/attention.py`, `decode.py`) take them on the CPU backend where they
+`apply` and lower
 to the references for every other platform (`lax.platform_dependent`).
 """
 from __future__ import annotations
@@ -81,16 +82,22 @@ def scatter_top_k(low, extra, pos, limit, k: int):
   return out.reshape(lead + (k,))
 
 
-def scatter_scores(low, extra, pos, limit):
-  """`scatter_top_k`'s scores in jnp: [..., S] float32."""
+def scatter_add(low, extra, pos):
+  """low [..., S] with extra [..., E] added at positions pos [..., E] (in order; outside [0, S): nothing)."""
   s = low.shape[-1]
   idx = jnp.where((pos >= 0) & (pos < s), pos, s)
   padded = jnp.concatenate([low, jnp.zeros(low.shape[:-1] + (1,), low.dtype)], -1)
   flat = padded.reshape(-1, s + 1)
   dense = jax.vmap(lambda p, i, v: p.at[i].add(v))(flat, idx.reshape(flat.shape[0], -1),
                                                    extra.reshape(flat.shape[0], -1))
-  dense = dense.reshape(padded.shape)[..., :s]
-  return jnp.where(jnp.arange(s).reshape((1,) * limit.ndim + (s,)) < limit[..., None], dense, -1.0)
+  return dense.reshape(padded.shape)[..., :s]
+
+
+def scatter_scores(low, extra, pos, limit):
+  """`scatter_top_k`'s scores in jnp: [..., S] float32 (`scatter_add`, then -1 at positions >= limit)."""
+  s = low.shape[-1]
+  ok = jnp.arange(s).reshape((1,) * limit.ndim + (s,)) < limit[..., None]
+  return jnp.where(ok, scatter_add(low, extra, pos), -1.0)
 
 
 def scatter_top_k_reference(low, extra, pos, limit, k: int):

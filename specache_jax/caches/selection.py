@@ -1,0 +1,98 @@
+"""SpeCache's κ choice: which stored positions' 16-bit rows the next attend reads, from an attention's
+probabilities (`Scores`, the form the fused kernels return them in) — the faithful top-k (`select`, `select_row`),
+the hedged split (`select_hedged`) — and the exact top-k they use (`top_k_indices`). `method` is a
+`specache.SpeCacheConfig`."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specache_jax import cpu_kernels as ck
+from specache_jax.caches import lowbit
+from specache_jax.cpu_kernels import select as cpu_select
+
+
+def candidates(method, n_B):
+  """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
+  those below the ring's 16-bit keys (`lowbit.boundaries`' key_qlen), which that attend never reads from κ."""
+  return lowbit.boundaries(n_B, method.residual)[0] if method.skip_ring else n_B
+
+
+def select(method, probs_BKS, n_B):
+  """κ for an attend after n_B stored tokens: top-k positions of the group-averaged probabilities among the
+  `candidates`."""
+  return top_k_indices(_candidate_scores(method, probs_BKS, n_B), method.topk)
+
+
+class Scores(NamedTuple):
+  """An attention's probabilities per position as the fused kernels return them, in two parts: low [B, K, R, S]
+  over the low-bit positions (0 where not attended) and extra [B, K, R, E] over the 16-bit columns (the ring, κ,
+  the new rows), whose positions are extra_pos [B, K, E] (S where a column holds no stored position)."""
+  low: jax.Array
+  extra: jax.Array
+  extra_pos: jax.Array
+
+  def dense(self):
+    """[B, K, R, S] float32: the extra columns' probabilities added at their positions."""
+    pos = jnp.broadcast_to(self.extra_pos[:, :, None], self.extra.shape)
+    return cpu_select.scatter_add(self.low, self.extra, pos)
+
+
+def select_row(method, scores: Scores, row: int, n_B):
+  """`select` from row `row` of `scores`, i.e. select(method, scores.dense()[:, :, row], n_B), exactly; on XLA:CPU
+  the scatter, the candidate mask and the top-k are one custom call (`cpu_select.scatter_top_k`)."""
+  low, extra = scores.low[:, :, row], scores.extra[:, :, row]
+  limit = jnp.broadcast_to(candidates(method, n_B)[:, None], low.shape[:2]).astype(jnp.int32)
+  k = method.topk
+  return ck.on_cpu(cpu_select.applies() and TOPK_BLOCK is None,
+                   lambda *a: cpu_select.scatter_top_k(*a, k),
+                   lambda *a: top_k_indices(cpu_select.scatter_scores(*a), k),
+                   low, extra, scores.extra_pos, limit)
+
+
+def _candidate_scores(method, probs_BKS, n_B):
+  ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
+  return jnp.where(ok, probs_BKS, -1.0)
+
+
+def select_hedged(method, real_BKS, spec_BKS, n_B):
+  """κ_{t+1} with `hedge` of its k rows from the real row's probabilities (moved `hedge_shift` positions
+  forward) and the rest from the speculative row's, never the same position twice. [B, K, X] int32."""
+  s = real_BKS.shape[-1]
+  shift = method.hedge_shift
+  moved = jnp.pad(real_BKS, ((0, 0), (0, 0), (shift, 0)), constant_values=-1.0)[..., :s] if shift else real_BKS
+  from_real = top_k_indices(_candidate_scores(method, moved, n_B), method.hedge)
+  spec = _candidate_scores(method, spec_BKS, n_B)
+  spec = jax.vmap(jax.vmap(lambda p, i: p.at[i].set(-2.0)))(spec, from_real)    # below every candidate
+  from_spec = top_k_indices(spec, method.topk - method.hedge)
+  return jnp.concatenate([from_real, from_spec], axis=-1)
+
+
+# Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU, `cpu_kernels.select`'s kernel).
+# Measured on XLA:CPU (results/topk_cpu.md, before that kernel): its TopK was already faster than any blocked
+# variant (k=64, S=8192: 0.11 ms vs 0.15-0.76 ms), so the default is None. XLA:GPU's fast TopK targets small k
+# and may sort the whole axis at k=64: the GPU check measures the blocked form there.
+TOPK_BLOCK = None
+
+
+def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
+  """int32 indices of `lax.top_k(scores, k)` along the last axis, exactly (ties: the lower index first, as
+  lax.top_k), computed as the top-k of every block of `block` slots, then the top-k of those candidates.
+
+  Exact because each of the k largest is among its own block's k largest; ties agree because candidates are
+  laid out block by block, each block's in lax.top_k's order. For S > block it reads S scores once and sorts
+  only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
+  s = scores_BKS.shape[-1]
+  if block is None or block < k or s <= block:
+    return ck.on_cpu(scores_BKS.dtype == jnp.float32 and cpu_select.applies(),      # XLA:CPU: select.cc
+                     lambda x: cpu_select.top_k_indices(x, k), lambda x: cpu_select.top_k_indices_reference(x, k),
+                     scores_BKS)
+  n_blocks = -(-s // block)
+  lead = scores_BKS.shape[:-1]
+  padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)
+  vals, idx = jax.lax.top_k(padded.reshape(lead + (n_blocks, block)), k)          # [..., n_blocks, k]
+  idx = idx + (jnp.arange(n_blocks, dtype=idx.dtype) * block).reshape((1,) * len(lead) + (n_blocks, 1))
+  _, pick = jax.lax.top_k(vals.reshape(lead + (n_blocks * k,)), k)
+  return jnp.take_along_axis(idx.reshape(lead + (n_blocks * k,)), pick, axis=-1).astype(jnp.int32)
