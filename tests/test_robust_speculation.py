@@ -1,13 +1,15 @@
 """SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output,
-correct_with_fetched): exact with k >= n, offloaded = simulated, what each selects, how often drift fetches on the
+correct_with_fetched, one_bit="mean", score_levels): exact with k >= n, offloaded = simulated, what each selects, how often drift fetches on the
 critical path, what the candidate rows see, how the next guesses are chosen, what enters the output."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specache_jax as sj
-from specache_jax import decode
+from specache_jax import decode, quant
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches import selection
@@ -30,6 +32,10 @@ OPTIONS = {
     "lowbit_out_eom_cand": dict(lowbit_in_output=False, exact_on_miss=True, candidates=2),
     "eom_with_fetched": dict(exact_on_miss=True, correct_with_fetched=True),
     "drift_with_fetched_cand": dict(drift=0.05, correct_with_fetched=True, candidates=2, lowbit_in_output=False),
+    "mean_rule": dict(one_bit="mean"),
+    "mean_rule_robust": dict(one_bit="mean", preset="robust"),
+    "range_scores": dict(score_levels="range", lowbit_in_output=False),
+    "range_scores_robust": dict(score_levels="range", preset="robust"),
 }
 
 
@@ -113,6 +119,29 @@ def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_
     np.testing.assert_allclose(np.asarray(out_v), np.asarray(out), rtol=1e-6, atol=1e-6)
   _, st1_k, _ = sc.attend(method, st.replace(low=keys_), q, k, v, cache.lengths)
   assert not np.array_equal(np.asarray(st1.kappa), np.asarray(st1_k.kappa))
+
+
+def test_range_score_levels_choose_kappa_as_keys_quantized_with_kivis_levels_would():
+  """score_levels="range" scores the stored 1-bit keys at their groups' min/max: the κ_{t+1} of a stored-level step
+  on a state whose key scales/zeros are KIVI's 1-bit ones for the same keys (same codes), not the stored levels'
+  κ; the step's output is the stored-level step's."""
+  method = sj.cache_config("specache", topk=5, lowbit_in_output=False, **BASE)
+  ranged = dataclasses.replace(method, score_levels="range")
+  cache, st, (q, k, v), _ = _layer0_step_inputs(method, seed=6, n_keys=3)
+  # the prefilled keys, quantized again with KIVI's rule: the same codes, scale M - m and zero m
+  keys16 = st.k16.astype(jnp.float32)                                       # [B, K, S, H], S = P·g
+  kivi = quant.quantize_keys(keys16, 1, BASE["group_size"], "kivi", dtype=st.low.k_scale.dtype)
+  spec = quant.quantize_keys(keys16, 1, BASE["group_size"], "specache", dtype=st.low.k_scale.dtype)
+  np.testing.assert_array_equal(np.asarray(kivi.codes), np.asarray(spec.codes))
+  st_kivi = st.replace(low=st.low.replace(k_scale=kivi.scale, k_zero=kivi.zero))
+  st_spec = st.replace(low=st.low.replace(k_scale=spec.scale, k_zero=spec.zero))
+  out_r, st_r, _ = sc.attend(ranged, st_spec, q, k, v, cache.lengths)
+  _, st_k, _ = sc.attend(method, st_kivi, q, k, v, cache.lengths)
+  np.testing.assert_array_equal(np.asarray(st_r.kappa), np.asarray(st_k.kappa))
+  out_s, st_s, _ = sc.attend(method, st_spec, q, k, v, cache.lengths)
+  assert not np.array_equal(np.asarray(st_s.kappa), np.asarray(st_r.kappa))
+  # the output (κ_t, the ring, the new rows) keeps the stored levels: the same as without the option
+  np.testing.assert_array_equal(np.asarray(out_r), np.asarray(out_s))
 
 
 @pytest.mark.parametrize("with_fetched", [False, True])
@@ -217,7 +246,10 @@ def test_default_state_carries_no_speculative_query():
     (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of"),
     (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool"),
     (dict(correct_with_fetched=1, exact_on_miss=True), "correct_with_fetched=1 must be a bool"),
-    (dict(correct_with_fetched=True), "needs exact_on_miss=True, drift > 0 or speculative=False")])
+    (dict(correct_with_fetched=True), "needs exact_on_miss=True, drift > 0 or speculative=False"),
+    (dict(score_levels="minmax", lowbit_in_output=False), "score_levels='minmax' must be one of"),
+    (dict(score_levels="range"), "needs lowbit_in_output=False"),
+    (dict(score_levels="range", lowbit_in_output=False, one_bit="mean"), "needs a range 1-bit rule")])
 def test_bad_robust_speculation_settings(settings, match):
   with pytest.raises(ValueError, match=match):
     sj.cache_config("specache", **settings)

@@ -40,6 +40,7 @@ from specache_jax.errors import ConfigError
 
 HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
 CANDIDATE_MERGES = ("max", "mean")               # how several speculative rows' probabilities combine
+SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit copy scores with (score_levels)
 
 # Named settings (`cache_config("specache", preset=...)`), each a function of the k rows fetched:
 #   faithful  the paper's method: every robust-speculation option off (the defaults);
@@ -64,7 +65,8 @@ class SpeCacheConfig(CacheConfig):
   group_size: int = 64          # g
   residual: int = 64            # R, 16-bit recent tokens on the device (g | R)
   topk: int = 64                # k rows fetched per layer per KV head per step
-  one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4) or "kivi" (ablation)
+  one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4), "kivi" (ablation) or
+                                # "mean" (robust option: the means of each group's two halves split at its mean)
   speculative: bool = True      # False: κ_t from the real token's own low-bit attention, fetched synchronously
   offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
   host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
@@ -95,6 +97,11 @@ class SpeCacheConfig(CacheConfig):
   correct_with_fetched: bool = False  # a synchronous κ_t choice (exact_on_miss, drift, non-speculative) scores the
                                 # rows already on the device (the prefetched κ_t, or the last step's) in 16-bit and
                                 # the rest low-bit, instead of every row low-bit. Same bytes
+  score_levels: str = "stored"  # "range": where the low-bit copy only scores (lowbit_in_output=False; a synchronous
+                                # κ_t choice), its 1-bit keys score at their groups' min/max (KIVI's levels, from
+                                # the stored scale and zero: quant.range_levels) instead of the stored levels; the
+                                # codes are the same. Same bytes (results/speculation/needle_rank: the range levels
+                                # rank a needle higher)
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -138,6 +145,14 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"lowbit_in_output={self.lowbit_in_output!r} must be a bool")
     if not isinstance(self.correct_with_fetched, bool):
       raise ConfigError(f"correct_with_fetched={self.correct_with_fetched!r} must be a bool")
+    if self.score_levels not in SCORE_LEVELS:
+      raise ConfigError(f"score_levels={self.score_levels!r} must be one of {SCORE_LEVELS}")
+    if self.score_levels == "range" and self.lowbit_in_output:
+      raise ConfigError("score_levels='range' scores with other key levels than an output over the low-bit copy "
+                        "would use: it needs lowbit_in_output=False (the low-bit copy only scores)")
+    if self.score_levels == "range" and self.one_bit not in ("specache", "kivi"):
+      raise ConfigError(f"score_levels='range' needs a range 1-bit rule (one_bit 'specache' or 'kivi'), got "
+                        f"one_bit={self.one_bit!r}")
     if self.correct_with_fetched and not fetches_on_critical_path(self):
       raise ConfigError("correct_with_fetched=True acts on synchronous κ choices: it needs exact_on_miss=True, "
                         "drift > 0 or speculative=False")
@@ -262,7 +277,7 @@ def _membership(pos_BKY, set_BKX):
 
 
 def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
-                    rows: tuple[int, ...] = (-1,)):
+                    rows: tuple[int, ...] = (-1,), scores_only: bool = False):
   """Attention of the T new rows over every stored position (κ rows and the ring in 16-bit, the rest
   low-bit; with use_kappa and lowbit_in_output=False the output attends κ, the ring and the new rows only,
   the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of
@@ -273,7 +288,9 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   last len(rows) rows in order.
 
   st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
-  are written in place — the codes it wrote are at positions this attention masks — and the ring after)."""
+  are written in place — the codes it wrote are at positions this attention masks — and the ring after).
+  scores_only: the caller uses only the probabilities (with score_levels="range", so does a step whose output
+  leaves the low-bit copy out): the low-bit keys score at `score_levels`."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
   key_qlen, val_qlen = lowbit.boundaries(lengths, method.residual)
@@ -294,15 +311,21 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   new_mask = A.new_rows_mask(b, offsets)
   sm_scale = h ** -0.5
   exclude = jnp.where(kap_use, kappa, -1)
+  low, score_ring_k = st.low, ring_k            # what the probabilities score with (the output: st.low, ring_k)
+  if method.score_levels == "range" and (scores_only or (use_kappa and not method.lowbit_in_output)):
+    low = low.replace(**dict(zip(("k_scale", "k_zero"), quant.range_levels(low.k_scale, low.k_zero, method.bits,
+                                                                            method.one_bit))))
+    score_ring_k = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,
+                                       residual=method.residual)[0]
 
   def jnp_attention():
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
     excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
     low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
     low_mask = jnp.broadcast_to(low_ok[:, :, None, :], (b, n_kv, t, s))
-    low = lowbit.packed_segment(st.low, low_mask, bits=method.bits, group_size=method.group_size)
+    packed = lowbit.packed_segment(low, low_mask, bits=method.bits, group_size=method.group_size)
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
-        q, [low, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
+        q, [packed, (score_ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
         sm_scale, n_kv)
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
@@ -311,14 +334,14 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows')."""
     if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
       raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
-    extra_k = [ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
+    extra_k = [score_ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
     extra_v = [ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype), vn_BKTH.astype(q.dtype)]
     if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
       extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
     kw = {} if prob_rows is None else dict(prob_rows=prob_rows)
     out, p_low, p_extra = kernel(
-        q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
+        q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero,
         val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
         sm_scale=sm_scale, **kw)
     return (out, p_low[:, :, None], p_extra[:, :, None]) if prob_rows is None else (out, p_low, p_extra)
@@ -515,7 +538,8 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   """κ_t of the non-speculative ablation: top-k of the real row's low-bit attention over stored positions (with
   correct_with_fetched, the rows of st.kappa scored from their fetched 16-bit keys)."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
-  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched)
+  _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched,
+                             scores_only=True)
   return selection.select_row(method, probs, -1, lengths)
 
 

@@ -142,4 +142,12 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_eom_fetched_scoreonly": dict(base, exact_on_miss=True, correct_with_fetched=True,
                                                   lowbit_in_output=False),
       "specache_1bit_robust_k128": dict(base, topk=128, preset="robust"),
+      # the 1-bit levels at the means of each group's halves split at its mean (quant.py), not the range's
+      "specache_1bit_mean": dict(base, one_bit="mean"),
+      "specache_1bit_robust_mean": dict(base, one_bit="mean", preset="robust"),
+      # KIVI's 1-bit levels (m, M) rank the needle higher (results/speculation/needle_rank); stored as the levels
+      # (one_bit="kivi") they also reach the pre-decoding pass's output and the ring's keys and break the answers;
+      # score_levels="range" scores at them and keeps the stored levels wherever a low-bit key enters an output
+      "specache_1bit_robust_kivi": dict(base, one_bit="kivi", preset="robust"),
+      "specache_1bit_robust_range": dict(base, score_levels="range", preset="robust"),
   }

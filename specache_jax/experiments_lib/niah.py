@@ -49,7 +49,7 @@ def needles(config) -> dict[str, niah_data.NeedleSpec]:
   return {PRIMARY: needle_spec(config), **niah_data.needle_set(config.get("more_needles", ""))}
 
 
-def _needle_fp(config, key: str) -> tuple:
+def needle_fingerprint(config, key: str) -> tuple:
   """What decides an answer besides the method (the config's own needle: its fields as the config spells them,
   so stores written before needle sets existed stay valid)."""
   if key == PRIMARY:
@@ -65,6 +65,7 @@ class Case:
   prompt_ids: tuple[int, ...]     # the chat-formatted prompt
   depth: float                    # the depth used (after the sentence-boundary backoff)
   spec: niah_data.NeedleSpec
+  needle_span: tuple[int, int] = (0, 0)   # prompt_ids[start:end]: the needle's tokens
 
   def check(self, answer: str) -> bool:
     return niah_data.score(answer, self.spec)
@@ -84,7 +85,7 @@ def build_cases(config, tokenizer, lengths, depths, needle: str = PRIMARY) -> di
   for n in lengths:
     for d in depths:
       case = niah_data.build_case(tokenizer, haystack, spec, n, d, formatter=chat)
-      out[n, d] = Case(case.prompt_ids, case.depth, spec)
+      out[n, d] = Case(case.prompt_ids, case.depth, spec, case.needle_span)
   return out
 
 
@@ -103,7 +104,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   computed = skipped = 0
   groups = [(label, n, key) for label in labels for n in lengths for key in specs]
   for label, n, key in report.progress(groups, desc="niah"):
-    fp = fingerprint(_needle_fp(config, key), dict(methods.settings_fingerprint_parts(config, label)))
+    fp = fingerprint(needle_fingerprint(config, key), dict(methods.settings_fingerprint_parts(config, label)))
     todo = [d for d in depths if not store.done(cell_id(label, n, d, key), fp)]
     skipped += len(depths) - len(todo)
     if not todo:
