@@ -218,7 +218,9 @@ def _plot(cells, rules, k, path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"{n} tokens ({len(group)} cells)")
     ax.set_xlabel("layer")
-  axes[0][0].set_ylabel(f"needle rank (median over KV heads, answer rows, cells); dashed: k = {k}")
+  axes[0][0].set_ylabel("needle rank (median)")
+  fig.suptitle(f"The needle's best rank in the real query's attention, per layer: median over KV heads, answer rows "
+               f"and cells; dashed: k = {k}", fontsize=9)
   axes[0][0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
