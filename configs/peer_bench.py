@@ -30,6 +30,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.contexts = (1024, 4096, 8192)   # cache slots per cell; the prompt is context - margin random tokens
   c.batches = (1, 4)                # distinct random prompts of equal length decoded together
   c.margin = 64                     # slots left for decoding (>= warmup + rounds * steps + 3)
+  c.prompts = "random"              # "random": seeded random tokens; or a corpus (paul_graham | austen):
+                                    # consecutive windows of its text (needs the checkpoint's tokenizer)
   c.prefill_rounds = 1              # prefills per method per cell, in rotating order (median reported)
   c.warmup = 2                      # untimed decode steps after the (last) prefill
   c.steps = 8                       # greedy decode steps per timed round, back to back

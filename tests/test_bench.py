@@ -158,6 +158,8 @@ def test_runtime_driver_with_exact_on_miss_decodes_the_generate_tokens(model):
   np.testing.assert_array_equal(np.stack(got, axis=1), np.asarray(want))
   assert calls[0] is None and all(isinstance(m, np.ndarray) and m.shape == (2,) for m in calls[1:])
   assert any(m.any() for m in calls[1:])                                    # some guesses missed
+  # ... and counted: the rows whose guesses missed, of the rows stepped with a known miss flag
+  assert drv.seen_rows == 2 * (n - 2) and drv.miss_rows == sum(int(m.sum()) for m in calls[1:])
 
 
 def test_throughput_end_to_end(model):

@@ -19,6 +19,8 @@ from specache_jax.bench import machine, peer
 from specache_jax.bench import models as bench_models
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.experiments_lib import methods as exp_methods
+from specache_jax.experiments_lib import models as exp_models
+from specache_jax.experiments_lib.perplexity import text_windows
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -93,6 +95,22 @@ def test_configs_have_cpu_gpu_test_and_robust_variants():
   assert built["specache_1bit_cand2_offload"].candidates == 2 and built["specache_1bit_eom_offload"].exact_on_miss
   with pytest.raises(ValueError, match="must be one of cpu, gpu, test, robust"):
     peer_cfg.get_config("tpu")
+
+
+def test_cell_prompts_are_random_tokens_or_windows_of_a_corpus(tiny):
+  c = peer_cfg.get_config("test")
+  tokens, lengths = peer.cell_prompts(c, tiny, 400, 2, 336)
+  assert tokens.shape == (2, 336) and lengths.tolist() == [336, 336]
+  c.prompts = "austen"
+  with_text = exp_models.load("tiny-random")                     # the character tokenizer
+  tokens, lengths = peer.cell_prompts(c, with_text, 400, 2, 336)
+  np.testing.assert_array_equal(tokens, text_windows(with_text.tokenizer, "austen", 2, 336))
+  assert lengths.tolist() == [336, 336]
+  with pytest.raises(ValueError, match="needs the checkpoint's tokenizer"):
+    peer.cell_prompts(c, tiny, 400, 2, 336)                      # random:tiny has none
+  c.prompts = "shakespeare"
+  with pytest.raises(ValueError, match="prompts='shakespeare' must be 'random' or a corpus"):
+    peer.cell_prompts(c, with_text, 400, 2, 336)
 
 
 def test_peer_bench_end_to_end(tmp_path):

@@ -33,9 +33,7 @@ OPTIONS = {
     "eom_with_fetched": dict(exact_on_miss=True, correct_with_fetched=True),
     "drift_with_fetched_cand": dict(drift=0.05, correct_with_fetched=True, candidates=2, lowbit_in_output=False),
     "mean_rule": dict(one_bit="mean"),
-    "mean_rule_robust": dict(one_bit="mean", preset="robust"),
-    "range_scores": dict(score_levels="range", lowbit_in_output=False),
-    "range_scores_robust": dict(score_levels="range", preset="robust"),
+    "range_scores_eom": dict(score_levels="range", lowbit_in_output=False, exact_on_miss=True),
 }
 
 

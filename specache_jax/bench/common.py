@@ -46,6 +46,7 @@ class RuntimeDriver:
   def __init__(self, model, method, batch: int, max_len: int, prompt_len: int):
     self.params, self.cfg, self.method = model.params, model.config, method
     self.rt = OffloadRuntime(model.params, model.config, method, batch, max_len, prompt_len=prompt_len)
+    self.miss_rows = self.seen_rows = 0       # with exact_on_miss (its miss flags come to the host anyway)
 
   def prefill(self, tokens_BT, lengths_B):
     """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches, missed [B] or None), as
@@ -60,9 +61,12 @@ class RuntimeDriver:
 
   def step(self, carry):
     """One greedy step: the next input is `decode.next_input` of the real row's argmax (`greedy_next`). With
-    exact_on_miss the runtime is told which rows' guesses missed (a host sync per step, as `generate` has)."""
+    exact_on_miss the runtime is told which rows' guesses missed (a host sync per step, as `generate` has), and
+    they are counted (`miss_rows` of `seen_rows`)."""
     inp, lengths, pending, missed = carry
     miss = np.asarray(missed) if self.method.exact_on_miss and missed is not None else None
+    if miss is not None:
+      self.miss_rows, self.seen_rows = self.miss_rows + int(miss.sum()), self.seen_rows + miss.size
     x, pending = self.rt.step(inp, lengths, pending, miss)
     nxt, missed = greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method)
     return nxt, lengths + 1, pending, missed

@@ -39,8 +39,10 @@ from specache_jax.bench import models as bench_models
 from specache_jax.bench.common import random_prompts
 from specache_jax.bench.throughput import decode_step_jit, make_runner
 from specache_jax.caches.budget import device_bytes_at
+from specache_jax.data import corpora
 from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.experiments_lib import models as exp_models
+from specache_jax.experiments_lib.perplexity import text_windows
 from specache_jax.model import decoder
 from specache_jax.model.config import ConfigError
 
@@ -264,10 +266,25 @@ def _ratios(cell: dict, reference: str) -> None:
     rec["prefill_time_vs_ref"] = timing.ratio(rec["prefill_s"], ref.get("prefill_s"))
 
 
+def cell_prompts(config, model, context: int, batch: int, prompt_len: int):
+  """A cell's prompts: seeded random tokens (`prompts="random"`), or `batch` consecutive windows of a corpus's text
+  (`prompts=<corpus>`: what a speculative method meets in use: its guesses hit as often as on real text)."""
+  prompts = config.get("prompts", "random")
+  if prompts == "random":
+    return random_prompts(config.seed + context, batch, prompt_len, model.config.vocab_size)
+  if prompts not in corpora.LONG_TEXTS:
+    raise ConfigError(f"prompts={prompts!r} must be 'random' or a corpus: one of {sorted(corpora.LONG_TEXTS)}")
+  if model.tokenizer is None:
+    raise ConfigError(f"prompts={prompts!r} needs the checkpoint's tokenizer; model {model.config.name!r} has none "
+                      "(random:<shape> models take prompts='random')")
+  tokens = text_windows(model.tokenizer, prompts, batch, prompt_len)
+  return tokens, np.full((batch,), prompt_len, np.int32)
+
+
 def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> dict:
   cfg, dtype = model.config, model.params["embed"].dtype
   prompt_len = context - config.margin
-  tokens, lengths = random_prompts(config.seed + context, batch, prompt_len, cfg.vocab_size)
+  tokens, lengths = cell_prompts(config, model, context, batch, prompt_len)
   slots = states.cell_slots(prompt_len, config.warmup + config.rounds * config.steps + 1)
   cell = {"context": context, "batch": batch, "prompt_len": prompt_len, "slots": slots, "methods": {}}
   runners, wbytes, item = {}, weight_bytes_per_step(cfg, model.params), jnp.dtype(dtype).itemsize
@@ -459,6 +476,7 @@ def run(config, log: Callable[[str], None] = print, progress: Callable[[dict], N
           "hf_device": config.hf_device, "versions": versions(), "machine_start": timing.machine_info(),
           "thread_env": {k: os.environ.get(k, "") for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")},
           "limits": limits, "prefill_rounds": config.prefill_rounds, "warmup": config.warmup,
+          "prompts": config.get("prompts", "random"),
           "decode_steps": config.steps, "rounds": config.rounds, "reference": config.reference,
           "methods": {label: exp_methods.spec_of(config, label) for label in exp_methods.labels(config)},
           "peers": {label: dict(_as_dict(config.peers)[label]) for label in _labels(config.run_peers)}}

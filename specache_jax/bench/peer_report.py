@@ -62,6 +62,8 @@ def markdown(result: dict, plot_name: str = "") -> str:
                                                   else "") + f"; n={mm['n']})",
            f"- load average (1/5/15 min) at start {start.get('load_average_1_5_15')}, at end "
            f"{end.get('load_average_1_5_15')}; wall time {meta.get('seconds', 0):.0f} s",
+           "- prompts: " + ("seeded random tokens" if meta.get("prompts", "random") == "random" else
+                            f"consecutive windows of the `{meta['prompts']}` text") + " (the same for every method)",
            f"- timing: per cell every method (ours and the peer's) prefills {meta['prefill_rounds']}× in rotating "
            f"order (time to the first token; ours compiled beforehand), decodes {meta['warmup']} warm-up steps, "
            f"then {meta['rounds']} rounds of {meta['decode_steps']} greedy steps back to back, one method after "
@@ -115,6 +117,12 @@ def markdown(result: dict, plot_name: str = "") -> str:
                    _f(r.get("x_roofline"))])
     if "skipped" in c:
       rows.append([str(c["context"]), str(c["batch"]), "all", f"skipped: {c['skipped']}"] + [""] * 10)
+  misses = [f"{c['context']}/B{c['batch']} {label} {r['speculation_miss_rate']:.0%}" for c in result["cells"]
+            for label, r in c.get("methods", {}).items() if "speculation_miss_rate" in r]
+  if misses:
+    lines += ["", "Speculation misses (offloaded methods with exact_on_miss: the rows whose guesses all missed, "
+              "each a synchronous fetch of every layer's κ, over every decoded step incl. warm-up): "
+              + ", ".join(misses) + "."]
   lines += ["", "## Every cell", ""] + _table(
       ["S", "B", "method", "prefill s", "prefill × floor", "ms/step", "tok/s", f"decode × {ref}",
        "bytes/step (weights + cache)", "floor ms", "× floor", "compute floor ms", "× roofline"], rows) + [""]
