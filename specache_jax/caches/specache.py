@@ -48,9 +48,9 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 #             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False. NIAH 13/15 (full 15,
 #             faithful 0), RULER 24.7 (full 36.2, faithful 7.3), 4k-8k perplexity +8.9% over full (faithful +68%),
 #             ~1% of (layer, KV head) fetches on the critical path; its cost: 2 more query rows per step and
-#             a host sync per step; offloaded at 4k, B=1 (random-token prompts) 2.65x the faithful step
-#             (results/speculation/steps_robust_cpu.md). The former robust preset is the label
-#             specache_1bit_skiphedgedrift.
+#             a host sync per step; offloaded at 4k, B=1, 1.63x the faithful step on text prompts (28% of steps
+#             missed), 2.74x on random tokens (all missed): results/speculation/steps_robust_{text_,}cpu.md.
+#             The former robust preset is the label specache_1bit_skiphedgedrift.
 PRESETS = {
     "faithful": lambda topk: {},
     "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
@@ -325,8 +325,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     low_mask = jnp.broadcast_to(low_ok[:, :, None, :], (b, n_kv, t, s))
     packed = lowbit.packed_segment(low, low_mask, bits=method.bits, group_size=method.group_size)
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
-        q, [packed, (score_ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask), (kn_BKTH, vn_BKTH, new_mask)],
-        sm_scale, n_kv)
+        q, [packed, (score_ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
+            (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
 
