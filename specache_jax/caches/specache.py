@@ -66,7 +66,8 @@ class SpeCacheConfig(CacheConfig):
   residual: int = 64            # R, 16-bit recent tokens on the device (g | R)
   topk: int = 64                # k rows fetched per layer per KV head per step
   one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4), "kivi" (ablation) or
-                                # "mean" (robust option: the means of each group's two halves split at its mean)
+                                # "mean" (the means of each group's two halves split at its mean; lower error,
+                                # ranks outlying keys lower: NIAH worse, README)
   speculative: bool = True      # False: κ_t from the real token's own low-bit attention, fetched synchronously
   offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
   host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
@@ -100,8 +101,8 @@ class SpeCacheConfig(CacheConfig):
   score_levels: str = "stored"  # "range": where the low-bit copy only scores (lowbit_in_output=False; a synchronous
                                 # κ_t choice), its 1-bit keys score at their groups' min/max (KIVI's levels, from
                                 # the stored scale and zero: quant.range_levels) instead of the stored levels; the
-                                # codes are the same. Same bytes (results/speculation/needle_rank: the range levels
-                                # rank a needle higher)
+                                # codes are the same. Same bytes. Measured (README): the needle ranks higher for the
+                                # heads that retrieve it, every head's own top-k is hit less; NIAH worse
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
