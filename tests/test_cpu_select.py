@@ -106,8 +106,8 @@ def test_scatter_top_k_equals_the_dense_scores_top_k(kind, s):
   n_b = jnp.asarray([s // 2, s], jnp.int32)
   pos_in = jnp.asarray(np.where((pos >= 0) & (pos < s), pos, s))
   scores = selection.Scores(jnp.asarray(low)[:, :, None], jnp.asarray(extra)[:, :, None], pos_in)
-  np.testing.assert_array_equal(np.asarray(jax.jit(lambda sc_, n: selection.select_row(method, sc_, -1, n))(scores, n_b)),
-                                np.asarray(selection.select(method, scores.dense()[:, :, -1], n_b)))
+  fused = jax.jit(lambda sc_, n: selection.select_row(method, sc_, -1, n))(scores, n_b)
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(selection.select(method, scores.dense()[:, :, -1], n_b)))
 
 
 @needs_kernel
@@ -115,10 +115,10 @@ def test_specache_step_picks_kappa_by_the_fused_selection_on_cpu():
   """The default SpeCache step's κ_{t+1} goes through `scatter_top_k` (no separate TopK) on the CPU."""
   scores = selection.Scores(jnp.zeros((1, 2, 1, 300)), jnp.zeros((1, 2, 1, 9)), jnp.full((1, 2, 9), 300, jnp.int32))
   method = sc.SpeCacheConfig(topk=8)
-  text = jax.jit(lambda s_, n: selection.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower().as_text()
+  traced = jax.jit(lambda s_, n: selection.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100]))
+  text = traced.lower().as_text()
   assert ck.SCATTER_TOP_K_TARGET in text and ck.TOP_K_TARGET not in text
-  gpu = jax.jit(lambda s_, n: selection.select_row(method, s_, -1, n)).trace(scores, jnp.asarray([100])).lower(
-      lowering_platforms=("cuda",)).as_text()
+  gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert ck.SCATTER_TOP_K_TARGET not in gpu
 
 

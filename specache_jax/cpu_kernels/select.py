@@ -9,8 +9,7 @@ copy whole rows (`take_rows`). The greedy token's argmax over SmolLM2's 49152 lo
 reduce ~85 µs per row (two rows per sequence and step for SpeCache); `argmax` reads the row twice at memory speed.
 
 Callers (`caches/selection.py`, `caches/attention.py`, `decode.py`) take them on the CPU backend where they
-`apply` and lower
-to the references for every other platform (`lax.platform_dependent`).
+`apply` and lower to the references for every other platform (`lax.platform_dependent`).
 """
 from __future__ import annotations
 

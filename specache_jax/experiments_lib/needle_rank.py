@@ -171,8 +171,7 @@ def _fmt(x, spec=".2f"):
 
 def write_outputs(config, store, rules, command, seconds) -> str:
   """summary.md (per cell: retrieving triples, each rule's recall at k and median rank) and needle_rank.png."""
-  cells = [store.get(c) for c in sorted(store.cells, key=lambda c: (store.get(c)["needle"], store.get(c)["length"],
-                                                                      store.get(c)["depth"]))]
+  cells = sorted(store.cells.values(), key=lambda c: (c["needle"], c["length"], c["depth"]))
   k = config.topk
   headers = ["needle", "length@depth", "full cache's answer", "retrieving triples"] + [
       f"{r}: recall@{k} (median rank)" for r in rules]
