@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specache_jax import guards, sharding
+from specache_jax import guards, history, sharding
 from specache_jax.caches.base import Cache, CacheConfig, observe_speculation as _observe
 from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.model import decoder
@@ -100,13 +100,27 @@ def guess(logits_BV):
   return cpu_select.greedy(logits_BV)
 
 
-def guesses(method: CacheConfig, logits_BV):
+def guesses(method: CacheConfig, logits_BV, looked_up_B=None):
   """A speculative method's guesses of the next token: its decode_width - 1 likeliest, best first -> [B, C]
-  int32 (one: `guess`)."""
+  int32 (one: `guess`). looked_up_B [B] int32 (`lookup_guess`; `history.NONE` where none): replaces the last
+  guess where it is not one of them already."""
   c = method.decode_width - 1
-  if c == 1:
-    return guess(logits_BV)[:, None]
-  return jax.lax.top_k(logits_BV, c)[1].astype(jnp.int32)
+  top_BC = guess(logits_BV)[:, None] if c == 1 else jax.lax.top_k(logits_BV, c)[1].astype(jnp.int32)
+  if looked_up_B is None:
+    return top_BC
+  new_B = (looked_up_B != history.NONE) & ~jnp.any(top_BC == looked_up_B[:, None], axis=-1)
+  return top_BC.at[:, -1].set(jnp.where(new_B, looked_up_B, top_BC[:, -1]))
+
+
+def lookup_guess(method: CacheConfig, tokens_BS, lengths_B, next_B):
+  """The guess looked up in the tokens so far (`history.lookup` with the method's n-gram; the sequence is the
+  cache's `lengths` tokens then `next`), or None for a method without `lookup`."""
+  if not method.keeps_tokens:
+    return None
+  if tokens_BS is None:
+    raise ValueError(f"{method.name} with lookup_ngram={method.lookup_ngram} needs the cache's token ids "
+                     "(Cache.tokens); build the cache with decode.init_cache")
+  return history.lookup(tokens_BS, lengths_B, next_B, method.lookup_ngram)
 
 
 def first_input(method: CacheConfig, first_B, guesses_BC=None):
@@ -116,16 +130,17 @@ def first_input(method: CacheConfig, first_B, guesses_BC=None):
   return first_B[:, None]
 
 
-def next_input(method: CacheConfig, inp_BW, nxt_B, logits_BWV):
+def next_input(method: CacheConfig, inp_BW, nxt_B, logits_BWV, tokens_BS=None, lengths_B=None):
   """The next decoding input [B, W] from this step's input, the sampled token and this step's logits: the next
   guesses come from the speculative row whose guess was the sampled token (its logits saw the right
-  history), else from the first candidate's (one guess: always its row)."""
+  history), else from the first candidate's (one guess: always its row). tokens_BS, lengths_B: the token ids
+  stored after this step and their count (`Cache.tokens`, `Cache.lengths`), for a method with `lookup`."""
   if method.decode_width == 1:
     return first_input(method, nxt_B)
   hit = inp_BW[:, 1:] == nxt_B[:, None]                                      # [B, C]
   row = 1 + jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), 0)
   src = jnp.take_along_axis(logits_BWV, row[:, None, None], axis=1)[:, 0]   # [B, V]
-  return first_input(method, nxt_B, guesses(method, src))
+  return first_input(method, nxt_B, guesses(method, src, lookup_guess(method, tokens_BS, lengths_B, nxt_B)))
 
 
 def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
@@ -138,14 +153,27 @@ def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
   return (jnp.sum(~missed & active_B).astype(jnp.float32), jnp.sum(active_B).astype(jnp.float32), missed)
 
 
-def observe_speculation(method: CacheConfig, cache: Cache, missed_B) -> Cache:
-  """Tell a speculative method which rows' guesses all missed (its optional hook; see caches/base.py)."""
-  return cache.replace(layers=_observe(method, cache.layers, missed_B))
+def input_anchors(method: CacheConfig, tokens_BS, lengths_B, inp_BW):
+  """Where the rows of the next input [B, W] copy from (`history.anchors`, [B, decode_width] int32: a first input
+  [B, 1] gets `history.NONE` for its candidates), or None for a method without `anchor_rows`."""
+  if not method.anchor_rows:
+    return None
+  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, method.lookup_ngram)
+  pad = method.decode_width - at_BW.shape[1]
+  return jnp.pad(at_BW, ((0, 0), (0, pad)), constant_values=history.NONE) if pad else at_BW
+
+
+def observe_speculation(method: CacheConfig, cache: Cache, missed_B, inp_BW=None) -> Cache:
+  """Tell a speculative method which rows' guesses all missed and, with `anchor_rows`, where the next input's
+  rows [B, W] copy from (its optional hook; see caches/base.py)."""
+  anchors = None if inp_BW is None else input_anchors(method, cache.tokens, cache.lengths, inp_BW)
+  return cache.replace(layers=_observe(method, cache.layers, missed_B, anchors))
 
 
 def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
   layers = method.impl.init(method, cfg, batch, max_len, dtype)
-  return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
+  tokens = history.empty(batch, method.slots(max_len)) if method.keeps_tokens else None
+  return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32), tokens=tokens)
 
 
 def prefill_per_layer(batch: int, length: int) -> bool:
@@ -178,8 +206,15 @@ def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
   guess of token 2. Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
   if not method.uses_predecode:
     return first_input(method, first_B), cache, None
+  none_missed = jnp.zeros(first_B.shape, bool)
+  if method.anchor_rows:                                          # κ_1 is T1's: its own anchor
+    cache = observe_speculation(method, cache, none_missed, first_B[:, None])
   logits, cache, _ = decoder.forward(params, cfg, first_B[:, None], cache, method, "predecode")
-  return first_input(method, first_B, guesses(method, logits[:, 0])), cache, logits[:, 0]
+  looked_up = lookup_guess(method, cache.tokens, cache.lengths, first_B)
+  inp = first_input(method, first_B, guesses(method, logits[:, 0], looked_up))
+  if method.anchor_rows:                                          # step 1's rows (κ_2 is the candidates')
+    cache = observe_speculation(method, cache, none_missed, inp)
+  return inp, cache, logits[:, 0]
 
 
 def _masked_sum(aux, active_B):
@@ -200,10 +235,11 @@ def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeStat
   rng, sub = jax.random.split(state.rng)
   nxt = jnp.where(state.done, spec.pad_id, sample(logits[:, 0], sub, spec))
   hits, steps, missed = speculation(method, state.inp, nxt, active)
+  inp = next_input(method, state.inp, nxt, logits, cache.tokens, cache.lengths)
   if method.decode_width > 1:
-    cache = observe_speculation(method, cache, missed)
+    cache = observe_speculation(method, cache, missed, inp)
   return state.replace(
-      step=state.step + 1, cache=cache, inp=next_input(method, state.inp, nxt, logits),
+      step=state.step + 1, cache=cache, inp=inp,
       tokens=jax.lax.dynamic_update_slice(state.tokens, nxt[:, None], (0, state.step)),
       done=state.done | is_stop(nxt, spec), num_tokens=state.num_tokens + active.astype(jnp.int32), rng=rng,
       stats=jax.tree.map(jnp.add, state.stats, _masked_sum(aux, active)),

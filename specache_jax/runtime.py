@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specache_jax import decode, guards, offload, sharding
+from specache_jax import decode, guards, history, offload, sharding
 from specache_jax.caches import specache as sc
 from specache_jax.caches.base import observe_speculation
 from specache_jax.model import decoder as dec
@@ -86,10 +86,11 @@ def _kappa_for_step(lp, x, lengths, rope, st, *, cfg, method):
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
-def _observe(states, missed_B, *, method):
-  """Not donating: the host store's worker may still read the states' κ of pending fetches (jit forwards the
-  unchanged leaves without a copy)."""
-  return observe_speculation(method, states, missed_B)
+def _observe(states, missed_B, tokens_BS, lengths_B, inp_BW, *, method):
+  """The rows whose guesses missed (or None) and, with anchor_rows, where the input's rows copy from (the ids
+  stored before it). Not donating: the host store's worker may still read the states' κ of pending fetches (jit
+  forwards the unchanged leaves without a copy)."""
+  return observe_speculation(method, states, missed_B, decode.input_anchors(method, tokens_BS, lengths_B, inp_BW))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -104,6 +105,11 @@ def _embed(params, tokens, lengths, *, cfg, method, phase):
   return dec.embed(params, tokens), dec.rope_for(cfg, phase, lengths, t, dec.row_offsets(method, phase, t))
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _record(tokens_BS, inp_BW, lengths_B):
+  return history.write_rows(tokens_BS, inp_BW[:, :1], lengths_B)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _head(params, x, rows, *, cfg):
   x = jnp.take_along_axis(x, rows[:, None, None], axis=1)
@@ -111,12 +117,13 @@ def _head(params, x, rows, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def _sample_next(params, x, rng, inp, done, spec, *, cfg, method):
-  """The protocol's step tail on the device: sample, next input, speculation outcome."""
+def _sample_next(params, x, rng, inp, done, spec, tokens, lengths, *, cfg, method):
+  """The protocol's step tail on the device: sample, next input, speculation outcome. tokens, lengths: the ids
+  stored after the step and their count (`OffloadRuntime.tokens`; None without lookup)."""
   logits = dec.lm_head(params, cfg, x)                                      # [B, W, V]
   nxt = jnp.where(done, spec.pad_id, decode.sample(logits[:, 0], rng, spec))
   hits, steps, missed = decode.speculation(method, inp, nxt, ~done)
-  return nxt, decode.next_input(method, inp, nxt, logits), hits, steps, missed
+  return nxt, decode.next_input(method, inp, nxt, logits, tokens, lengths), hits, steps, missed
 
 
 @dataclasses.dataclass
@@ -163,6 +170,7 @@ class OffloadRuntime:
     self.group_params = [tuple(self.layer_params[l] for l in g) for g in self.groups]
     self.store = None
     self.states = None
+    self.tokens = None           # [B, S] int32 ids of the stored tokens, for a method with lookup (history.py)
     self._stored = None          # numpy [B]: rows stored per batch row, counted on the host (no device sync)
     self.timings = Timings()
     self._step_index = 0
@@ -193,6 +201,9 @@ class OffloadRuntime:
     self._init()
     self._step_index = 0
     self._stored = np.asarray(lengths_B).astype(np.int64)
+    if self.method.keeps_tokens:
+      self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
+                                         jnp.asarray(tokens_BT))
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
     rows, logits = self.plan.prefill_rows or self.batch, []
     for r0 in range(0, self.batch, rows):                     # sequences in chunks: bounded activations
@@ -223,6 +234,9 @@ class OffloadRuntime:
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
     pending = []
+    if self.method.anchor_rows:                                          # κ_1 is T1's: its own anchor
+      self.states = list(_observe(tuple(self.states), None, self.tokens, lengths_B, first_B[:, None],
+                                  method=self.method))
     x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, method=self.method, phase="predecode")
     for g in range(len(self.groups)):
       x = self._run_group(g, x, lengths_B, rope, None, "predecode")
@@ -255,11 +269,14 @@ class OffloadRuntime:
     (the prefetched rows for the other heads are fetched again: not yet restricted to the drifted heads)."""
     method = self.method
     self._step_index += 1
-    if method.exact_on_miss and method.speculative and miss_B is not None:
-      self.states = list(_observe(tuple(self.states), jnp.asarray(miss_B), method=method))
+    miss = jnp.asarray(miss_B) if method.exact_on_miss and method.speculative and miss_B is not None else None
+    if miss is not None or method.anchor_rows:
+      self.states = list(_observe(tuple(self.states), miss, self.tokens, lengths_B, inp_BW, method=method))
     sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
                                                     or bool(np.any(miss_B)))
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, method=self.method, phase="decode")
+    if self.tokens is not None:                                          # the real row is stored at lengths
+      self.tokens = _record(self.tokens, inp_BW, lengths_B)
     stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
@@ -290,8 +307,9 @@ class OffloadRuntime:
     first = decode.sample(logits, sub, spec)
     if method.uses_predecode:
       x, pending = self.predecode(first, lengths)
-      inp = decode.first_input(method, first, decode.guesses(method, _head(self.params, x, jnp.zeros_like(lengths),
-                                                                           cfg=self.cfg)))
+      head = _head(self.params, x, jnp.zeros_like(lengths), cfg=self.cfg)
+      inp = decode.first_input(method, first, decode.guesses(
+          method, head, decode.lookup_guess(method, self.tokens, lengths, first)))
     else:
       pending, inp = None, decode.first_input(method, first)
     jax.block_until_ready(inp)
@@ -306,8 +324,8 @@ class OffloadRuntime:
         break
       x, pending = self.step(inp, lengths, pending, miss)
       rng, sub = jax.random.split(rng)
-      nxt, inp, hits, steps, missed = _sample_next(self.params, x, sub, inp, jnp.asarray(done), spec,
-                                                   cfg=self.cfg, method=method)
+      nxt, inp, hits, steps, missed = _sample_next(self.params, x, sub, inp, jnp.asarray(done), spec, self.tokens,
+                                                   lengths + 1, cfg=self.cfg, method=method)
       nxt_np = np.asarray(nxt)                                              # the one sync of a step
       miss = np.asarray(missed) if method.decode_width > 1 else None
       spec_hits += float(hits)

@@ -93,7 +93,8 @@ def cache_specs(cache, n_kv_heads: int | None = None):
   """PartitionSpecs for a `Cache` (layers stacked [L, B, K, ...] or a per-layer tuple of [B, K, ...];
   lengths [B]) or a bare stacked state."""
   if isinstance(cache, Cache):
-    return Cache(layers=cache_specs(cache.layers, n_kv_heads), lengths=P("data"))
+    return Cache(layers=cache_specs(cache.layers, n_kv_heads), lengths=P("data"),
+                 tokens=None if cache.tokens is None else P("data", None))
   if isinstance(cache, (tuple, list)):
     return tuple(layer_state_specs(st, n_kv_heads) for st in cache)
   return jax.tree.map(lambda a: layer_leaf_spec(a.shape, n_kv_heads), cache)

@@ -34,6 +34,10 @@ OPTIONS = {
     "drift_with_fetched_cand": dict(drift=0.05, correct_with_fetched=True, candidates=2, lowbit_in_output=False),
     "mean_rule": dict(one_bit="mean"),
     "range_scores_eom": dict(score_levels="range", lowbit_in_output=False, exact_on_miss=True),
+    "lookup": dict(lookup=1),
+    "lookup_rows": dict(lookup=2, lookup_rows=3),
+    "lookup_rows_robust": dict(lookup=2, lookup_rows=2, candidates=2, exact_on_miss=True, correct_with_fetched=True,
+                               lowbit_in_output=False),
 }
 
 

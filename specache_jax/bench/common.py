@@ -25,19 +25,21 @@ def error_reason(e: Exception) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def greedy_next(params, x_BWD, inp_BW, *, cfg, method):
+def greedy_next(params, x_BWD, inp_BW, tokens_BS, lengths_B, *, cfg, method):
   """The next decoding input [B, W] after a greedy step (`decode.next_input` of the real row's argmax) and the
-  rows whose speculative guesses all missed it [B] bool (`decode.speculation`)."""
+  rows whose speculative guesses all missed it [B] bool (`decode.speculation`). tokens_BS, lengths_B: the ids
+  stored after the step and their count (the runtime's `tokens`; None without lookup)."""
   logits = dec.lm_head(params, cfg, x_BWD)
   nxt = decode.guess(logits[:, 0])
   _, _, missed = decode.speculation(method, inp_BW, nxt, jnp.ones(nxt.shape, bool))
-  return decode.next_input(method, inp_BW, nxt, logits), missed
+  return decode.next_input(method, inp_BW, nxt, logits, tokens_BS, lengths_B), missed
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def first_guesses(params, x_B1D, *, cfg, method):
-  """The pre-decoding pass's guesses of token 2 [B, C] (`decode.guesses`)."""
-  return decode.guesses(method, dec.lm_head(params, cfg, x_B1D)[:, 0])
+def first_guesses(params, x_B1D, first_B, tokens_BS, lengths_B, *, cfg, method):
+  """The pre-decoding pass's guesses of token 2 [B, C] (`decode.guesses`, with `decode.lookup_guess`)."""
+  return decode.guesses(method, dec.lm_head(params, cfg, x_B1D)[:, 0],
+                        decode.lookup_guess(method, tokens_BS, lengths_B, first_B))
 
 
 class RuntimeDriver:
@@ -56,7 +58,7 @@ class RuntimeDriver:
     if not self.method.uses_predecode:
       return decode.first_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)
-    guesses = first_guesses(self.params, x, cfg=self.cfg, method=self.method)
+    guesses = first_guesses(self.params, x, first, self.rt.tokens, lengths, cfg=self.cfg, method=self.method)
     return decode.first_input(self.method, first, guesses), lengths, pending, None
 
   def step(self, carry):
@@ -68,7 +70,7 @@ class RuntimeDriver:
     if miss is not None:
       self.miss_rows, self.seen_rows = self.miss_rows + int(miss.sum()), self.seen_rows + miss.size
     x, pending = self.rt.step(inp, lengths, pending, miss)
-    nxt, missed = greedy_next(self.params, x, inp, cfg=self.cfg, method=self.method)
+    nxt, missed = greedy_next(self.params, x, inp, self.rt.tokens, lengths + 1, cfg=self.cfg, method=self.method)
     return nxt, lengths + 1, pending, missed
 
   def sync(self, carry):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specache_jax import decode
+from specache_jax import decode, history
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches.base import Cache, CacheConfig, check_int, stack_layers
 from specache_jax.errors import ConfigError
@@ -102,9 +102,17 @@ def take_rows(captured: Captured, first_B, batch: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len"))
-def build_cache(captured: Captured, lengths_B, *, cfg, method: CacheConfig, max_len: int) -> Cache:
-  """The method's prefilled cache (leaves [L, ...]) for prompts of `lengths` tokens in `max_len` slots."""
+def build_cache(captured: Captured, lengths_B, tokens_BT=None, *, cfg, method: CacheConfig,
+                max_len: int) -> Cache:
+  """The method's prefilled cache (leaves [L, ...]) for prompts of `lengths` tokens in `max_len` slots.
+  tokens_BT: the prompts' ids, which a method with `keeps_tokens` stores (`Cache.tokens`)."""
   b = lengths_B.shape[0]
+  ids = None
+  if method.keeps_tokens:
+    if tokens_BT is None:
+      raise ConfigError(f"{method.name} keeps the ids of its tokens (lookup guesses): build_cache needs the "
+                        "prompts' tokens_BT")
+    ids = history.write_prompt(history.empty(b, method.slots(max_len)), tokens_BT)
   dtype = captured.k.dtype
   st = method.impl.init(method, cfg, b, max_len, dtype)
 
@@ -113,7 +121,7 @@ def build_cache(captured: Captured, lengths_B, *, cfg, method: CacheConfig, max_
     return method.impl.prefill(method, st_l, k, v, lengths_B, colsum if method.needs_attention_colsum else None)
 
   layers = jax.lax.map(one, (st, captured.k, captured.v, captured.colsum))
-  return Cache(layers=layers, lengths=lengths_B.astype(jnp.int32))
+  return Cache(layers=layers, lengths=lengths_B.astype(jnp.int32), tokens=ids)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))

@@ -44,7 +44,7 @@ def decode_step_jit(layer_params, inp_BW, cache, *, cfg, method):
   """One greedy step: [T_t(, T'_{t+1})] -> [T_{t+1}(, T'_{t+2})], cache (per-layer, donated: updated in
   place, as in the decode loop). layer_params: `decoder.unstack_params(params)` (no weight slicing per step)."""
   logits, cache, _ = dec.forward(layer_params, cfg, inp_BW, cache, method, "decode")
-  return decode.next_input(method, inp_BW, decode.guess(logits[:, 0]), logits), cache
+  return decode.next_input(method, inp_BW, decode.guess(logits[:, 0]), logits, cache.tokens, cache.lengths), cache
 
 
 unstack_params_jit = jax.jit(dec.unstack_params, static_argnums=(1,))

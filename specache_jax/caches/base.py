@@ -46,6 +46,21 @@ class CacheConfig:
   offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it)
 
   @property
+  def lookup_ngram(self) -> int:
+    """Prompt lookup (history.py): the longest suffix matched in the tokens so far; 0 = none."""
+    return 0
+
+  @property
+  def anchor_rows(self) -> int:
+    """Positions around each next-input row's lookup match that the method's fetch takes first; 0 = none."""
+    return 0
+
+  @property
+  def keeps_tokens(self) -> bool:
+    """Whether the cache carries the ids of its tokens (`Cache.tokens`; lookups read them)."""
+    return self.lookup_ngram > 0
+
+  @property
   def impl(self) -> MethodModule:
     raise NotImplementedError
 
@@ -72,9 +87,10 @@ class CacheConfig:
     """The slot count S to allocate for `max_len` tokens (methods round up to their group sizes)."""
     return max_len
 
-  def observe_speculation(self, st, missed_B):
-    """Hook: before the next step, which rows' speculative token was wrong (a state of any layout)."""
-    del missed_B
+  def observe_speculation(self, st, missed_B, anchors_BW=None):
+    """Hook: before the next step, which rows' speculative token was wrong and where each row of the next input
+    would copy from (`history.anchors`, or None) (a state of any layout)."""
+    del missed_B, anchors_BW
     return st
 
   def host_bytes(self, st) -> int:
@@ -89,17 +105,18 @@ class CacheConfig:
     return int(self.impl.device_bytes(self, st))
 
 
-def observe_speculation(method: CacheConfig, layers, missed_B):
+def observe_speculation(method: CacheConfig, layers, missed_B, anchors_BW=None):
   """The hook over a stacked state or a per-layer tuple of states."""
   if isinstance(layers, (tuple, list)):
-    return tuple(method.observe_speculation(st, missed_B) for st in layers)
-  return method.observe_speculation(layers, missed_B)
+    return tuple(method.observe_speculation(st, missed_B, anchors_BW) for st in layers)
+  return method.observe_speculation(layers, missed_B, anchors_BW)
 
 
 @struct.dataclass
 class Cache:
   layers: Any                 # the method's State: leaves [L, ...], or a tuple of per-layer States
   lengths: jax.Array          # [B] int32 tokens stored per row
+  tokens: Any = None          # [B, S] int32 ids of the stored tokens where `method.keeps_tokens`, else None
 
 
 def settings_of(method) -> dict[str, Any]:

@@ -40,6 +40,27 @@ class Scores(NamedTuple):
     return cpu_select.scatter_add(self.low, self.extra, pos)
 
 
+ANCHOR_BOOST = 2.0   # added to an anchored position's score: above any probability (at most 1) plus itself
+ANCHOR_BEFORE = 1    # an anchor window starts this many positions before its anchor
+
+
+def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
+  """`scores` with the `rows` positions from ANCHOR_BEFORE before each anchor [B, A] (`history.anchors`;
+  negative: none) raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any
+  scored position (positions past the candidates stay out; several windows may overlap)."""
+  b, k, r, _ = scores.extra.shape
+  s = scores.low.shape[-1]
+  a = anchors_BA.shape[1]
+  if rows == 0 or a == 0:
+    return scores
+  pos_BAW = anchors_BA[:, :, None] + (jnp.arange(rows, dtype=jnp.int32) - ANCHOR_BEFORE)[None, None, :]
+  pos_BAW = jnp.where((anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0), pos_BAW, s)   # s: adds nothing
+  pos_BKE = jnp.broadcast_to(pos_BAW.reshape(b, 1, a * rows), (b, k, a * rows))
+  boost = jnp.full((b, k, r, a * rows), ANCHOR_BOOST, scores.extra.dtype)
+  return Scores(low=scores.low, extra=jnp.concatenate([scores.extra, boost], axis=-1),
+                extra_pos=jnp.concatenate([scores.extra_pos, pos_BKE.astype(scores.extra_pos.dtype)], axis=-1))
+
+
 def select_row(method, scores: Scores, row: int, n_B):
   """`select` from row `row` of `scores`, i.e. select(method, scores.dense()[:, :, row], n_B), exactly; on XLA:CPU
   the scatter, the candidate mask and the top-k are one custom call (`cpu_select.scatter_top_k`)."""

@@ -29,7 +29,7 @@ from flax import struct
 from pallas_kernels import ATTENTION_IMPLS
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention
 from specache_jax import cpu_kernels as ck
-from specache_jax import quant
+from specache_jax import history, quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import selection
@@ -91,6 +91,12 @@ class SpeCacheConfig(CacheConfig):
                                 # row; κ_{t+1} is the top-k of their probabilities merged per position by
                                 # `candidate_merge` (same bytes moved, more rows computed; attention_impl "jnp" for > 1)
   candidate_merge: str = "max"  # max | mean over the candidates' group-averaged probabilities
+  lookup: int = 0               # > 0: the token that followed the latest earlier occurrence of the last `lookup`
+                                # tokens (or a shorter suffix) in the prompt and output so far replaces the last
+                                # guess where it is not one already (prompt lookup: copied text, cycles; history.py)
+  lookup_rows: int = 0          # > 0 (needs lookup): κ always holds, for each row that will use it, this many
+                                # positions from one before where that row's token sequence occurred last + 1 (where
+                                # a copying head reads; `history.anchors`), the rest by score. Same bytes
   lowbit_in_output: bool = True  # False: a decoding step's output attends only κ_t's 16-bit rows, the ring (16-bit
                                 # values; keys low-bit where already quantized) and the new rows: no low-bit value
                                 # enters it, the low-bit copy only scores (κ_{t+1}; and the pre-decoding pass's T1,
@@ -140,6 +146,15 @@ class SpeCacheConfig(CacheConfig):
     if self.candidates > 1 and self.attention_impl != "jnp":
       raise ConfigError(f"candidates={self.candidates} needs attention_impl='jnp' (the Pallas kernel returns "
                         f"only the last row's probabilities), got {self.attention_impl!r}")
+    check_int("lookup", self.lookup, 0)
+    if self.lookup and not self.speculative:
+      raise ConfigError(f"lookup={self.lookup} adds a speculative guess; it needs speculative=True")
+    check_int("lookup_rows", self.lookup_rows, 0)
+    if self.lookup_rows and not self.lookup:
+      raise ConfigError(f"lookup_rows={self.lookup_rows} anchors κ where the tokens occurred before; it needs "
+                        "lookup > 0 (the n-gram it matches)")
+    if self.lookup_rows > self.topk:
+      raise ConfigError(f"lookup_rows={self.lookup_rows} must be at most topk={self.topk} (a share of the k rows)")
     if self.candidate_merge not in CANDIDATE_MERGES:
       raise ConfigError(f"candidate_merge={self.candidate_merge!r} must be one of {CANDIDATE_MERGES}")
     if not isinstance(self.lowbit_in_output, bool):
@@ -168,6 +183,14 @@ class SpeCacheConfig(CacheConfig):
     if preset not in PRESETS:
       raise ConfigError(f"preset={preset!r} is not a SpeCache preset; expected one of {tuple(PRESETS)}")
     return {**PRESETS[preset](settings.get("topk", cls.topk)), **settings}
+
+  @property
+  def lookup_ngram(self) -> int:
+    return self.lookup
+
+  @property
+  def anchor_rows(self) -> int:
+    return self.lookup_rows
 
   @property
   def decode_width(self) -> int:
@@ -199,8 +222,8 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"hedge_shift={self.hedge_shift} must be below the cache's {self.slots(max_len)} slots "
                         f"(max_len={max_len}): every shifted pick would fall past the end")
 
-  def observe_speculation(self, st, missed_B):
-    return observe_speculation(self, st, missed_B)
+  def observe_speculation(self, st, missed_B, anchors_BW=None):
+    return observe_speculation(self, st, missed_B, anchors_BW)
 
   def host_bytes(self, st) -> int:
     if isinstance(st, (tuple, list)):
@@ -223,6 +246,8 @@ class State:
   miss: jax.Array          # [B] bool: every speculative guess of this step's real token was wrong
   spec_q: jax.Array        # [B, K, C·G, H] float32 the queries that chose κ, candidate-major (drift,
                            # track_hits; else [B, K, C·G, 0])
+  anchor: jax.Array        # [B, W] int32 where the next input's rows copy from (lookup_rows; else [B, 0]):
+                           # column 0 for the real row's own κ choice, 1.. for the candidates' κ_{t+1}
 
 
 def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
@@ -236,7 +261,8 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
       miss=jnp.zeros((batch,), bool),
       spec_q=jnp.zeros((batch, k, method.candidates * (model_cfg.n_heads // k),
-                        h if _keeps_spec_query(method) else 0), jnp.float32))
+                        h if _keeps_spec_query(method) else 0), jnp.float32),
+      anchor=jnp.full((batch, method.decode_width if method.lookup_rows else 0), history.NONE, jnp.int32))
   return stack_layers(model_cfg.n_layers, st)
 
 
@@ -466,9 +492,19 @@ def merge_candidates(method: SpeCacheConfig, probs_BKCS):
   return (jnp.max if method.candidate_merge == "max" else jnp.mean)(probs_BKCS, axis=2)
 
 
-def _next_kappa(method: SpeCacheConfig, probs_BKRS: selection.Scores, lengths):
-  """κ_{t+1} from this step's probabilities (rows: `_probability_rows`); candidates:
-  `selection.candidates(method, n + 1)` (0..n, T_t included; with skip_ring only those below the ring)."""
+def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: bool) -> selection.Scores:
+  """With lookup_rows: the scores with the anchor windows of the real row (its own κ choice) or of the
+  speculative candidates (κ_{t+1}) raised above every probability (`selection.anchored`)."""
+  if not method.lookup_rows:
+    return probs
+  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows)
+
+
+def _next_kappa(method: SpeCacheConfig, st: State, probs_BKRS: selection.Scores, lengths):
+  """κ_{t+1} from this step's probabilities (rows: `_probability_rows`; with lookup_rows, the candidates'
+  anchors first); candidates: `selection.candidates(method, n + 1)` (0..n, T_t included; with skip_ring only
+  those below the ring)."""
+  probs_BKRS = _anchored(method, st, probs_BKRS, real=False)
   if method.candidates == 1 and not method.hedge:
     return selection.select_row(method, probs_BKRS, -1, lengths + 1)
   probs_BKRS = probs_BKRS.dense()
@@ -495,7 +531,7 @@ def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=True,
                                rows=_probability_rows(method))
   if method.speculative:
-    st = _with_spec_query(method, st.replace(kappa=_next_kappa(method, probs, lengths)), q)
+    st = _with_spec_query(method, st.replace(kappa=_next_kappa(method, st, probs, lengths)), q)
   return out, st, aux
 
 
@@ -527,12 +563,15 @@ def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   return out, st, aux
 
 
-def observe_speculation(method: SpeCacheConfig, st: State, miss_B) -> State:
+def observe_speculation(method: SpeCacheConfig, st: State, miss_B, anchors_BW=None) -> State:
   """Decode-loop hook: record, before the next step, which rows' speculative token was wrong (exact_on_miss
-  acts on it; track_hits splits its statistics by it)."""
-  if not (method.exact_on_miss or method.track_hits):
-    return st
-  return st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
+  acts on it; track_hits splits its statistics by it) and, with lookup_rows, the next input's anchors (either
+  None: unchanged)."""
+  if miss_B is not None and (method.exact_on_miss or method.track_hits):
+    st = st.replace(miss=jnp.broadcast_to(miss_B, st.miss.shape))
+  if method.lookup_rows and anchors_BW is not None:
+    st = st.replace(anchor=jnp.broadcast_to(anchors_BW, st.anchor.shape).astype(jnp.int32))
+  return st
 
 
 def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -541,7 +580,7 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched,
                              scores_only=True)
-  return selection.select_row(method, probs, -1, lengths)
+  return selection.select_row(method, _anchored(method, st, probs, real=True), -1, lengths)
 
 
 def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -550,7 +589,8 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
   st = _with_spec_query(method, st, q)     # T1 is step 1's real row (the same query at layer 0; deeper layers
                                            # differ by the low-bit-only attention of this pass)
-  return out, _fetch(method, st, selection.select_row(method, probs, -1, lengths)), {}    # stored positions 0..L-1
+  kappa = selection.select_row(method, _anchored(method, st, probs, real=True), -1, lengths)   # positions 0..L-1
+  return out, _fetch(method, st, kappa), {}
 
 
 def device_bytes(method, st: State) -> int:

@@ -150,4 +150,8 @@ def robust() -> dict[str, dict[str, Any]]:
       # score_levels="range" scores at them and keeps the stored levels wherever a low-bit key enters an output
       "specache_1bit_robust_kivi": dict(base, one_bit="kivi", preset="robust"),
       "specache_1bit_robust_range": dict(base, score_levels="range", preset="robust"),
+      # prompt lookup (history.py): the token after the last tokens' latest earlier occurrence as a guess, and
+      # with lookup_rows the positions where each next row copies from taken into κ first
+      "specache_1bit_robust_lookup": dict(base, lookup=3, preset="robust"),
+      "specache_1bit_robust_anchor": dict(base, lookup=3, lookup_rows=8, preset="robust"),
   }

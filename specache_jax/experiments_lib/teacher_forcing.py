@@ -59,20 +59,20 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
   every_row = jnp.ones((b,), bool)
 
   def step(carry, xs):
-    cache, inp = carry
+    cache, inp, missed = carry
     tok_B, target_B = xs
     inp = inp.at[:, 0].set(tok_B)                                 # the real row is always the true token
     if spec_row == "text" and method.decode_width > 1:       # the first guess is the true next token
       inp = inp.at[:, 1].set(target_B)
+    if method.decode_width > 1:     # as the decode loop: the last step's misses, where this input copies from
+      cache = decode.observe_speculation(method, cache, missed, inp)
     logits, cache, _ = decoder.forward(layer_params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
     _, _, missed = decode.speculation(method, inp, target_B, every_row)
-    if method.decode_width > 1:              # as the decode loop: tell the method when its guess missed
-      cache = decode.observe_speculation(method, cache, missed)
     hit = (~missed).astype(jnp.int32) if method.decode_width > 1 else jnp.zeros((b,), jnp.int32)
-    return (cache, decode.next_input(method, inp, target_B, logits)), (nll, hit)
+    return (cache, decode.next_input(method, inp, target_B, logits, cache.tokens, cache.lengths), missed), (nll, hit)
 
   xs = (jnp.swapaxes(tokens_BT[:, prefix:t - 1], 0, 1), jnp.swapaxes(tokens_BT[:, prefix + 1:], 0, 1))
-  _, (nll_TB, hit_TB) = jax.lax.scan(step, (cache, inp), xs)
+  _, (nll_TB, hit_TB) = jax.lax.scan(step, (cache, inp, jnp.zeros((b,), bool)), xs)
   nll = jnp.concatenate([first[:, None], jnp.swapaxes(nll_TB, 0, 1)], axis=1)
   return nll, jnp.sum(hit_TB, axis=0)

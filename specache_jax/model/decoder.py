@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specache_jax import history
 from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
@@ -227,13 +228,17 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
   logits = lm_head(params, cfg, x)
   if cache is None:
     return logits, None, aux
+  ids = cache.tokens
   if phase == "prefill":
     new_lengths = lengths
+    ids = None if ids is None else history.write_prompt(ids, tokens_BT)
   elif phase == "decode":
     new_lengths = cache.lengths + method.rows_stored(t, phase)
+    ids = None if ids is None else history.write_rows(ids, tokens_BT[:, :method.rows_stored(t, phase)],
+                                                      cache.lengths)
   else:
     new_lengths = cache.lengths
-  return logits, Cache(layers=new_states, lengths=new_lengths), aux
+  return logits, Cache(layers=new_states, lengths=new_lengths, tokens=ids), aux
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -1,0 +1,81 @@
+"""The ids of the tokens a cache holds, and guesses looked up in them (prompt lookup).
+
+A method with `keeps_tokens` (SpeCache with `lookup > 0`) carries `Cache.tokens` [B, S] int32: position p holds
+the id of the token stored at p (the prompt's, then each step's real row). A speculative method guesses the token
+after the one just sampled; `lookup` adds the guess a copying model would make: find the latest earlier
+occurrence of the last g tokens (g = `ngram`, else the longest shorter suffix that occurs) and take the token that
+followed it. It is what decoding an answer copied from the prompt (a needle, a repeated phrase, a cycle) needs,
+and costs one pass over [B, S] ids per step, no model call.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NONE = -1      # `lookup`'s answer where no suffix of the tokens occurs earlier
+
+
+def empty(batch: int, slots: int):
+  """No tokens yet -> [B, S] int32."""
+  return jnp.zeros((batch, slots), jnp.int32)
+
+
+def write_prompt(tokens_BS, prompt_BT):
+  """A right-padded prompt at positions 0..T-1 (the padding is overwritten by the steps that follow)."""
+  return jax.lax.dynamic_update_slice(tokens_BS, prompt_BT.astype(jnp.int32), (0, 0))
+
+
+def write_rows(tokens_BS, rows_BR, lengths_B):
+  """R consecutive tokens per row at positions lengths .. lengths + R - 1 (past the end: dropped)."""
+  b, r = rows_BR.shape
+  pos_BR = lengths_B.astype(jnp.int32)[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :]
+  batch_BR = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, r))
+  return tokens_BS.at[batch_BR, pos_BR].set(rows_BR.astype(jnp.int32), mode="drop")
+
+
+def match(tokens_BS, lengths_B, tail_BT, ngram: int):
+  """Where the sequence's last tokens occurred before -> [B] int32: the end position of the latest earlier
+  occurrence of its longest suffix of at most `ngram` tokens that occurs earlier (the latest of that length),
+  `NONE` where even its last token never occurred before. The sequence is tokens[:lengths] then tail [B, T]
+  (tokens not stored yet); an earlier occurrence ends before the last tail token's position lengths + T - 1."""
+  b, s = tokens_BS.shape
+  t = tail_BT.shape[1]
+  if ngram < 1:
+    raise ValueError(f"{ngram=} must be >= 1")
+  end_B = lengths_B.astype(jnp.int32) + (t - 1)                              # the last tail token's position
+  seq_BS = write_rows(tokens_BS, tail_BT, lengths_B)
+  pos_S = jnp.arange(s, dtype=jnp.int32)
+  matched_BS = jnp.zeros((b, s), jnp.int32)          # suffix tokens equal to those ending at i, up to ngram
+  alive_BS = jnp.ones((b, s), bool)
+  for j in range(ngram):
+    ref_B = jnp.take_along_axis(seq_BS, jnp.clip(end_B - j, 0, s - 1)[:, None], axis=1)[:, 0]
+    here_BS = jnp.roll(seq_BS, j, axis=1)                                   # seq[i - j] at column i
+    alive_BS = alive_BS & (here_BS == ref_B[:, None]) & (pos_S[None, :] >= j) & (end_B[:, None] >= j)
+    matched_BS = matched_BS + alive_BS.astype(jnp.int32)
+  earlier_BS = pos_S[None, :] < end_B[:, None]
+  key_BS = jnp.where(earlier_BS & (matched_BS > 0), matched_BS * s + pos_S[None, :], -1)
+  best_B = jnp.max(key_BS, axis=1)
+  return jnp.where(best_B >= 0, best_B % s, NONE).astype(jnp.int32)
+
+
+def lookup(tokens_BS, lengths_B, next_B, ngram: int):
+  """The token that followed the latest earlier occurrence of the sequence's last tokens (`match`; the sequence
+  is tokens[:lengths] then next, the token just sampled) -> [B] int32, `NONE` where there is none."""
+  s = tokens_BS.shape[1]
+  at_B = match(tokens_BS, lengths_B, next_B[:, None], ngram)
+  seq_BS = write_rows(tokens_BS, next_B[:, None], lengths_B)
+  follow_B = jnp.take_along_axis(seq_BS, jnp.clip(at_B + 1, 0, s - 1)[:, None], axis=1)[:, 0]
+  return jnp.where(at_B != NONE, follow_B, NONE).astype(jnp.int32)
+
+
+def anchors(tokens_BS, lengths_B, inp_BW, ngram: int):
+  """Where each row of the next decoding input would copy from -> [B, W] int32: for the real row (T_t, stored
+  next at `lengths`), the position after the latest earlier occurrence of the sequence's last tokens ending in
+  it; for each speculative row (a guess of T_{t+1}), the same with the guess appended. `NONE` where none. An
+  induction (copying) head at that row attends there: the token that followed last time."""
+  real_B = match(tokens_BS, lengths_B, inp_BW[:, :1], ngram)
+  cols = [real_B]
+  for c in range(1, inp_BW.shape[1]):
+    cols.append(match(tokens_BS, lengths_B, jnp.stack([inp_BW[:, 0], inp_BW[:, c]], axis=1), ngram))
+  at_BW = jnp.stack(cols, axis=1)
+  return jnp.where(at_BW != NONE, at_BW + 1, NONE).astype(jnp.int32)
