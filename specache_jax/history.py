@@ -34,10 +34,11 @@ def write_rows(tokens_BS, rows_BR, lengths_B):
 
 
 def match(tokens_BS, lengths_B, tail_BT, ngram: int):
-  """Where the sequence's last tokens occurred before -> [B] int32: the end position of the latest earlier
-  occurrence of its longest suffix of at most `ngram` tokens that occurs earlier (the latest of that length),
-  `NONE` where even its last token never occurred before. The sequence is tokens[:lengths] then tail [B, T]
-  (tokens not stored yet); an earlier occurrence ends before the last tail token's position lengths + T - 1."""
+  """Where the sequence's last tokens occurred before -> (end [B] int32, length [B] int32): the end position of
+  the latest earlier occurrence of its longest suffix of at most `ngram` tokens that occurs earlier (the latest
+  of that length) and that suffix's length; (`NONE`, 0) where even its last token never occurred before. The
+  sequence is tokens[:lengths] then tail [B, T] (tokens not stored yet); an earlier occurrence ends before the
+  last tail token's position lengths + T - 1."""
   b, s = tokens_BS.shape
   t = tail_BT.shape[1]
   if ngram < 1:
@@ -55,27 +56,29 @@ def match(tokens_BS, lengths_B, tail_BT, ngram: int):
   earlier_BS = pos_S[None, :] < end_B[:, None]
   key_BS = jnp.where(earlier_BS & (matched_BS > 0), matched_BS * s + pos_S[None, :], -1)
   best_B = jnp.max(key_BS, axis=1)
-  return jnp.where(best_B >= 0, best_B % s, NONE).astype(jnp.int32)
+  found_B = best_B >= 0
+  return (jnp.where(found_B, best_B % s, NONE).astype(jnp.int32),
+          jnp.where(found_B, best_B // s, 0).astype(jnp.int32))
 
 
 def lookup(tokens_BS, lengths_B, next_B, ngram: int):
   """The token that followed the latest earlier occurrence of the sequence's last tokens (`match`; the sequence
   is tokens[:lengths] then next, the token just sampled) -> [B] int32, `NONE` where there is none."""
   s = tokens_BS.shape[1]
-  at_B = match(tokens_BS, lengths_B, next_B[:, None], ngram)
+  at_B, _ = match(tokens_BS, lengths_B, next_B[:, None], ngram)
   seq_BS = write_rows(tokens_BS, next_B[:, None], lengths_B)
   follow_B = jnp.take_along_axis(seq_BS, jnp.clip(at_B + 1, 0, s - 1)[:, None], axis=1)[:, 0]
   return jnp.where(at_B != NONE, follow_B, NONE).astype(jnp.int32)
 
 
-def anchors(tokens_BS, lengths_B, inp_BW, ngram: int):
+def anchors(tokens_BS, lengths_B, inp_BW, ngram: int, min_match: int = 1):
   """Where each row of the next decoding input would copy from -> [B, W] int32: for the real row (T_t, stored
   next at `lengths`), the position after the latest earlier occurrence of the sequence's last tokens ending in
-  it; for each speculative row (a guess of T_{t+1}), the same with the guess appended. `NONE` where none. An
-  induction (copying) head at that row attends there: the token that followed last time."""
-  real_B = match(tokens_BS, lengths_B, inp_BW[:, :1], ngram)
-  cols = [real_B]
-  for c in range(1, inp_BW.shape[1]):
-    cols.append(match(tokens_BS, lengths_B, jnp.stack([inp_BW[:, 0], inp_BW[:, c]], axis=1), ngram))
-  at_BW = jnp.stack(cols, axis=1)
-  return jnp.where(at_BW != NONE, at_BW + 1, NONE).astype(jnp.int32)
+  it; for each speculative row (a guess of T_{t+1}), the same with the guess appended. `NONE` where none, or
+  where the matched suffix is shorter than `min_match` tokens. An induction (copying) head at that row attends
+  there: the token that followed last time."""
+  tails = [inp_BW[:, :1]] + [jnp.stack([inp_BW[:, 0], inp_BW[:, c]], axis=1) for c in range(1, inp_BW.shape[1])]
+  cols = [match(tokens_BS, lengths_B, tail, ngram) for tail in tails]
+  at_BW = jnp.stack([at for at, _ in cols], axis=1)
+  ok_BW = jnp.stack([n for _, n in cols], axis=1) >= max(min_match, 1)
+  return jnp.where(ok_BW, at_BW + 1, NONE).astype(jnp.int32)

@@ -19,13 +19,14 @@ from tests.tiny import random_prompts, tiny_model
 BASE = dict(bits=1, group_size=8, residual=8)
 
 
-def _match_reference(seq, ngram):
-  """End of the latest earlier occurrence of the longest suffix (<= ngram) of seq that occurs earlier, or -1."""
+def _match_reference(seq, ngram, min_match=1):
+  """End of the latest earlier occurrence of the longest suffix (<= ngram) of seq that occurs earlier, or -1
+  (also where that suffix is shorter than min_match)."""
   n = len(seq)
   for g in range(min(ngram, n - 1), 0, -1):
     for i in range(n - 2, g - 2, -1):
       if seq[i - g + 1:i + 1] == seq[n - g:]:
-        return i
+        return i if g >= min_match else -1
   return -1
 
 
@@ -39,16 +40,18 @@ def _random_ids(rs, batch, slots, vocab, tail):
 def test_lookup_and_anchors_match_a_loop_reference(seed):
   rs = np.random.RandomState(seed)
   for _ in range(40):
-    vocab, ngram = rs.randint(1, 5), rs.randint(1, 4)
+    vocab, ngram, min_match = rs.randint(1, 5), rs.randint(1, 4), rs.randint(1, 3)
     ids, lengths = _random_ids(rs, 3, rs.randint(3, 14), vocab, tail=2)
     inp = rs.randint(0, vocab, (3, 3)).astype(np.int32)
     got_lookup = np.asarray(history.lookup(jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(inp[:, 0]), ngram))
-    got_anchors = np.asarray(history.anchors(jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(inp), ngram))
+    got_anchors = np.asarray(history.anchors(jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(inp), ngram,
+                                             min_match))
     for b in range(3):
       seq = ids[b, :lengths[b]].tolist() + [int(inp[b, 0])]
       at = _match_reference(seq, ngram)
       assert got_lookup[b] == (seq[at + 1] if at >= 0 else history.NONE), (ids[b], lengths[b], inp[b], ngram)
-      want = [at] + [_match_reference(seq + [int(inp[b, c])], ngram) for c in (1, 2)]
+      want = [_match_reference(seq, ngram, min_match)] + [
+          _match_reference(seq + [int(inp[b, c])], ngram, min_match) for c in (1, 2)]
       assert got_anchors[b].tolist() == [w + 1 if w >= 0 else history.NONE for w in want]
 
 
@@ -124,7 +127,7 @@ def test_every_anchor_window_is_in_kappa_and_lookup_rows_equal_to_topk_fetches_o
     np.testing.assert_array_equal(np.asarray(cache.layers.anchor[0, 0]), anchors)     # observed: layer 0, row 0
     assert anchors[1] != history.NONE
     _, cache, _ = dec.forward(model.params, model.config, inp, cache, method, "decode")   # κ_{t+1} from them
-    window = set(range(anchors[1] - selection.ANCHOR_BEFORE, anchors[1] - selection.ANCHOR_BEFORE + rows))
+    window = set(range(anchors[1] - selection.anchor_before(rows), anchors[1] - selection.anchor_before(rows) + rows))
     window = {p for p in window if 0 <= p < int(cache.lengths[0])}
     assert len(window) == rows
     for layer in range(model.config.n_layers):
@@ -140,7 +143,7 @@ def test_anchored_scores_rank_the_windows_first_and_ignore_missing_anchors():
   scores = selection.Scores(low=low, extra=jnp.zeros((1, 2, 1, 0)), extra_pos=jnp.zeros((1, 2, 0), jnp.int32))
   got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3)
   top = np.asarray(jax.lax.top_k(got.dense()[:, :, 0], 3)[1])
-  assert all(set(row) == {4, 5, 6} for row in top[0])
+  assert all(set(row) == {4, 5, 6} for row in top[0])             # anchor_before(3) = 1
   edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3)   # clipped at both ends
   top = np.asarray(jax.lax.top_k(edge.dense()[:, :, 0], 4)[1])
   assert all(set(row) == {0, 1, 18, 19} for row in top[0])

@@ -1,6 +1,7 @@
 """SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output,
-correct_with_fetched, one_bit="mean", score_levels): exact with k >= n, offloaded = simulated, what each selects, how often drift fetches on the
-critical path, what the candidate rows see, how the next guesses are chosen, what enters the output."""
+correct_with_fetched, one_bit="mean", score_levels, lookup, lookup_rows): exact with k >= n, offloaded = simulated,
+what each selects, how often drift fetches on the critical path, what the candidate rows see, how the next guesses
+are chosen, what enters the output (lookup's own tests: tests/test_history.py)."""
 import dataclasses
 
 import jax
@@ -39,6 +40,9 @@ OPTIONS = {
     "lookup_rows_robust": dict(lookup=2, lookup_rows=2, candidates=2, exact_on_miss=True, correct_with_fetched=True,
                                lowbit_in_output=False),
 }
+# Offloaded = simulated (the slowest check): the combinations that hold every option at least once (CI time)
+OFFLOADED = ("all", "candidates_mean", "lowbit_out_eom_cand", "eom_with_fetched", "drift_with_fetched_cand",
+             "mean_rule", "range_scores_eom", "lookup", "lookup_rows_robust")
 
 
 def _model():
@@ -55,7 +59,11 @@ def test_topk_covering_the_context_equals_the_full_cache(name):
   np.testing.assert_array_equal(got.tokens, full.tokens)
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+def test_the_offloaded_combinations_hold_every_option():
+  assert set().union(*(OPTIONS[n] for n in OFFLOADED)) == set().union(*OPTIONS.values())
+
+
+@pytest.mark.parametrize("name", OFFLOADED)
 def test_offloaded_gives_the_simulated_tokens(name):
   model = _model()
   prompts = random_prompts(11, [30, 44, 17], model.config.vocab_size)

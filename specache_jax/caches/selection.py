@@ -41,11 +41,16 @@ class Scores(NamedTuple):
 
 
 ANCHOR_BOOST = 2.0   # added to an anchored position's score: above any probability (at most 1) plus itself
-ANCHOR_BEFORE = 1    # an anchor window starts this many positions before its anchor
+
+
+def anchor_before(rows: int) -> int:
+  """How many of an anchor window's `rows` positions lie before its anchor: half (the copied phrase's context
+  and its continuation)."""
+  return rows // 2
 
 
 def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
-  """`scores` with the `rows` positions from ANCHOR_BEFORE before each anchor [B, A] (`history.anchors`;
+  """`scores` with the `rows` positions from `anchor_before(rows)` before each anchor [B, A] (`history.anchors`;
   negative: none) raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any
   scored position (positions past the candidates stay out; several windows may overlap)."""
   b, k, r, _ = scores.extra.shape
@@ -53,7 +58,7 @@ def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
   a = anchors_BA.shape[1]
   if rows == 0 or a == 0:
     return scores
-  pos_BAW = anchors_BA[:, :, None] + (jnp.arange(rows, dtype=jnp.int32) - ANCHOR_BEFORE)[None, None, :]
+  pos_BAW = anchors_BA[:, :, None] + (jnp.arange(rows, dtype=jnp.int32) - anchor_before(rows))[None, None, :]
   pos_BAW = jnp.where((anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0), pos_BAW, s)   # s: adds nothing
   pos_BKE = jnp.broadcast_to(pos_BAW.reshape(b, 1, a * rows), (b, k, a * rows))
   boost = jnp.full((b, k, r, a * rows), ANCHOR_BOOST, scores.extra.dtype)

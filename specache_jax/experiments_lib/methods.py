@@ -154,4 +154,6 @@ def robust() -> dict[str, dict[str, Any]]:
       # with lookup_rows the positions where each next row copies from taken into κ first
       "specache_1bit_robust_lookup": dict(base, lookup=3, preset="robust"),
       "specache_1bit_robust_anchor": dict(base, lookup=3, lookup_rows=8, preset="robust"),
+      "specache_1bit_robust_anchor16": dict(base, lookup=3, lookup_rows=16, preset="robust"),
+      "specache_1bit_robust_anchor32": dict(base, lookup=3, lookup_rows=32, preset="robust"),
   }
