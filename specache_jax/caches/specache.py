@@ -54,7 +54,7 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 PRESETS = {
     "faithful": lambda topk: {},
     "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
-                                lowbit_in_output=False),
+                                lowbit_in_output=False, lookup=3, lookup_rows=topk // 2),
 }
 
 

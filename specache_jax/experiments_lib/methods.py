@@ -110,6 +110,9 @@ def robust() -> dict[str, dict[str, Any]]:
   """SpeCache 1-bit (the paper's settings) with each robust-speculation option (caches/specache.py), the
   critical-path references (exact_on_miss, non-speculative) and a combination, keyed by label."""
   base = standard()["specache_1bit"]
+  # the robust preset before prompt lookup (its cells' label until then: specache_1bit_robust); the robust_*
+  # variants below are that combination with one change
+  former = dict(base, candidates=3, exact_on_miss=True, correct_with_fetched=True, lowbit_in_output=False)
   return {
       "specache_1bit_eom": dict(base, exact_on_miss=True),                      # refetch after a wrong token
       "specache_1bit_nonspec": dict(base, speculative=False),                   # κ_t from T_t, always on the path
@@ -119,7 +122,7 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
       "specache_1bit_robust": dict(base, preset="robust"),   # 3 candidates + exact_on_miss + correct_with_fetched +
-                                                             # lowbit_in_output=False (the former: skiphedgedrift)
+                                                             # lowbit_in_output=False + lookup=3, lookup_rows=k/2
       "specache_1bit_skiphedgedrift": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
       "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
       "specache_1bit_cand3": dict(base, candidates=3),
@@ -141,19 +144,17 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_eom_fetched": dict(base, exact_on_miss=True, correct_with_fetched=True),
       "specache_1bit_eom_fetched_scoreonly": dict(base, exact_on_miss=True, correct_with_fetched=True,
                                                   lowbit_in_output=False),
-      "specache_1bit_robust_k128": dict(base, topk=128, preset="robust"),
+      "specache_1bit_cand3eom_fetched_scoreonly": former,
+      "specache_1bit_robust_k128": dict(former, topk=128),
       # the 1-bit levels at the means of each group's halves split at its mean (quant.py), not the range's
       "specache_1bit_mean": dict(base, one_bit="mean"),
-      "specache_1bit_robust_mean": dict(base, one_bit="mean", preset="robust"),
+      "specache_1bit_robust_mean": dict(former, one_bit="mean"),
       # KIVI's 1-bit levels (m, M) rank the needle higher (results/speculation/needle_rank); stored as the levels
       # (one_bit="kivi") they also reach the pre-decoding pass's output and the ring's keys and break the answers;
       # score_levels="range" scores at them and keeps the stored levels wherever a low-bit key enters an output
-      "specache_1bit_robust_kivi": dict(base, one_bit="kivi", preset="robust"),
-      "specache_1bit_robust_range": dict(base, score_levels="range", preset="robust"),
-      # prompt lookup (history.py): the token after the last tokens' latest earlier occurrence as a guess, and
-      # with lookup_rows the positions where each next row copies from taken into κ first
-      "specache_1bit_robust_lookup": dict(base, lookup=3, preset="robust"),
-      "specache_1bit_robust_anchor": dict(base, lookup=3, lookup_rows=8, preset="robust"),
-      "specache_1bit_robust_anchor16": dict(base, lookup=3, lookup_rows=16, preset="robust"),
-      "specache_1bit_robust_anchor32": dict(base, lookup=3, lookup_rows=32, preset="robust"),
+      "specache_1bit_robust_kivi": dict(former, one_bit="kivi"),
+      "specache_1bit_robust_range": dict(former, score_levels="range"),
+      # prompt lookup (history.py), which the robust preset now has: the token after the last tokens' latest
+      # earlier occurrence as a guess only (no anchored rows)
+      "specache_1bit_robust_lookup": dict(former, lookup=3),
   }
