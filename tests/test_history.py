@@ -116,21 +116,24 @@ def test_the_cache_records_the_prompt_and_every_real_token_and_the_guess_is_the_
 
 
 def test_every_anchor_window_is_in_kappa_and_lookup_rows_equal_to_topk_fetches_only_windows():
-  """After a step, the state's κ_{t+1} holds every valid position of the candidates' windows (they outrank any
-  probability); with lookup_rows = topk and one candidate whose window lies inside the context, κ is that window."""
+  """A step whose input continues a phrase of the prompt: κ_{t+1} holds the candidate's whole window (it
+  outranks any probability) in every layer and KV head; with lookup_rows = topk, κ is that window."""
   model = tiny_model(seed=4, head_dim=16)
-  prompt = list(range(10, 40)) + list(range(10, 20))           # the tail repeats: copying anchors exist
+  cfg, params = model.config, model.params
+  prompt = jnp.asarray([list(range(10, 40)) + list(range(10, 20))], jnp.int32)     # ... 18 19 | next: 20 21
   for rows in (3, 6):
-    method = sj.cache_config("specache", topk=6, lookup=2, lookup_rows=rows, **BASE)
-    cache, inp, _ = _run(method, model, [prompt], 4)
-    anchors = np.asarray(decode.input_anchors(method, cache.tokens, cache.lengths, inp))[0]
-    np.testing.assert_array_equal(np.asarray(cache.layers.anchor[0, 0]), anchors)     # observed: layer 0, row 0
-    assert anchors[1] != history.NONE
-    _, cache, _ = dec.forward(model.params, model.config, inp, cache, method, "decode")   # κ_{t+1} from them
-    window = set(range(anchors[1] - selection.anchor_before(rows), anchors[1] - selection.anchor_before(rows) + rows))
-    window = {p for p in window if 0 <= p < int(cache.lengths[0])}
-    assert len(window) == rows
-    for layer in range(model.config.n_layers):
+    method = sj.cache_config("specache", topk=6, lookup=3, lookup_rows=rows, **BASE)
+    cache = decode.init_cache(method, cfg, 1, 64, jnp.float32)
+    _, cache = decode.prefill(params, cfg, method, prompt, jnp.asarray([40]), cache)
+    _, cache, _ = decode.start(params, cfg, method, jnp.asarray([20]), cache)
+    inp = jnp.asarray([[20, 21]], jnp.int32)
+    cache = decode.observe_speculation(method, cache, jnp.zeros((1,), bool), inp)
+    anchors = np.asarray(cache.layers.anchor[0, 0])                       # layer 0, row 0
+    np.testing.assert_array_equal(anchors, [11, 12])        # "18 19 20" ends at 10, "19 20 21" at 11: + 1
+    _, cache, _ = dec.forward(params, cfg, inp, cache, method, "decode")   # κ_{t+1} from the candidate's anchor
+    start = 12 - selection.anchor_before(rows)
+    window = set(range(start, start + rows))
+    for layer in range(cfg.n_layers):
       for head in np.asarray(cache.layers.kappa[layer, 0]):
         assert window <= set(head.tolist()), (window, head)
         if rows == method.topk:
@@ -144,9 +147,12 @@ def test_anchored_scores_rank_the_windows_first_and_ignore_missing_anchors():
   got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3)
   top = np.asarray(jax.lax.top_k(got.dense()[:, :, 0], 3)[1])
   assert all(set(row) == {4, 5, 6} for row in top[0])             # anchor_before(3) = 1
-  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3)   # clipped at both ends
-  top = np.asarray(jax.lax.top_k(edge.dense()[:, :, 0], 4)[1])
-  assert all(set(row) == {0, 1, 18, 19} for row in top[0])
+  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3)   # clipped; 3 rows shared, nearest first
+  top = np.asarray(jax.lax.top_k(edge.dense()[:, :, 0], 3)[1])
+  assert all(set(row) == {0, 19, 1} for row in top[0])
+  two = selection.anchored(scores, jnp.asarray([[5, 12]], jnp.int32), 4)    # offsets -2..1: 5, 12, then 4 and 6
+  boosted = np.asarray(two.dense()[0, 0, 0]) >= selection.ANCHOR_BOOST
+  assert set(np.flatnonzero(boosted)) == {4, 5, 6, 12}
 
 
 def test_lookup_options_name_their_errors():
@@ -158,7 +164,7 @@ def test_lookup_options_name_their_errors():
     sj.cache_config("specache", topk=8, lookup=1, lookup_rows=9, **BASE)
   with pytest.raises(ConfigError, match="lookup"):
     sj.cache_config("specache", lookup=-1, **BASE)
-  method = sj.cache_config("specache", lookup=2, **BASE)
+  method = sj.cache_config("specache", topk=4, lookup=2, **BASE)
   with pytest.raises(ValueError, match="needs the cache's token ids"):
     decode.lookup_guess(method, None, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
   model = tiny_model(seed=4, head_dim=16)
@@ -170,7 +176,7 @@ def test_lookup_options_name_their_errors():
 
 def test_a_lookup_method_records_the_prompt_when_built_from_a_capture():
   model = tiny_model(seed=4, head_dim=16)
-  method = sj.cache_config("specache", lookup=2, **BASE)
+  method = sj.cache_config("specache", topk=4, lookup=2, **BASE)
   prompt = jnp.asarray(random_prompts(3, [16], model.config.vocab_size), jnp.int32)
   _, cap = states.capture(model.params, model.config, prompt, jnp.asarray([16]))
   cache = states.build_cache(cap, jnp.asarray([16]), prompt, cfg=model.config, method=method, max_len=32)

@@ -50,18 +50,26 @@ def anchor_before(rows: int) -> int:
 
 
 def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
-  """`scores` with the `rows` positions from `anchor_before(rows)` before each anchor [B, A] (`history.anchors`;
-  negative: none) raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any
-  scored position (positions past the candidates stay out; several windows may overlap)."""
+  """`scores` with `rows` positions around the anchors [B, A] (`history.anchors`; negative: none) raised by
+  ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. The positions
+  are the `rows` nearest to an anchor (a window from `anchor_before(rows)` before it; nearer first, then the
+  earlier anchor): one anchor gets its whole window, several share the `rows` (positions past the candidates
+  stay out; windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]
   a = anchors_BA.shape[1]
   if rows == 0 or a == 0:
     return scores
-  pos_BAW = anchors_BA[:, :, None] + (jnp.arange(rows, dtype=jnp.int32) - anchor_before(rows))[None, None, :]
-  pos_BAW = jnp.where((anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0), pos_BAW, s)   # s: adds nothing
-  pos_BKE = jnp.broadcast_to(pos_BAW.reshape(b, 1, a * rows), (b, k, a * rows))
-  boost = jnp.full((b, k, r, a * rows), ANCHOR_BOOST, scores.extra.dtype)
+  offset_W = jnp.arange(rows, dtype=jnp.int32) - anchor_before(rows)
+  pos_BAW = anchors_BA[:, :, None] + offset_W[None, None, :]
+  valid_BAW = (anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0) & (pos_BAW < s)
+  rank_AW = jnp.abs(offset_W)[None, :] * a + jnp.arange(a, dtype=jnp.int32)[:, None]     # nearer, then earlier
+  priority_BX = jnp.where(valid_BAW, -rank_AW[None], -(rows + 1) * a).reshape(b, a * rows)
+  best_BX, at_BX = jax.lax.top_k(priority_BX, rows)                       # the `rows` nearest positions
+  pos_BX = jnp.take_along_axis(pos_BAW.reshape(b, a * rows), at_BX, axis=1)
+  pos_BX = jnp.where(best_BX > -(rows + 1) * a, pos_BX, s)                # s: adds nothing
+  pos_BKE = jnp.broadcast_to(pos_BX[:, None, :], (b, k, rows))
+  boost = jnp.full((b, k, r, rows), ANCHOR_BOOST, scores.extra.dtype)
   return Scores(low=scores.low, extra=jnp.concatenate([scores.extra, boost], axis=-1),
                 extra_pos=jnp.concatenate([scores.extra_pos, pos_BKE.astype(scores.extra_pos.dtype)], axis=-1))
 
