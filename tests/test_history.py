@@ -144,15 +144,19 @@ def test_anchored_scores_rank_the_windows_first_and_ignore_missing_anchors():
   rs = np.random.RandomState(0)
   low = jnp.asarray(rs.uniform(size=(1, 2, 1, 20)), jnp.float32)
   scores = selection.Scores(low=low, extra=jnp.zeros((1, 2, 1, 0)), extra_pos=jnp.zeros((1, 2, 0), jnp.int32))
-  got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3)
+  every = jnp.asarray([20])                                                 # no ring
+  got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3, every)
   top = np.asarray(jax.lax.top_k(got.dense()[:, :, 0], 3)[1])
   assert all(set(row) == {4, 5, 6} for row in top[0])             # anchor_before(3) = 1
-  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3)   # clipped; 3 rows shared, nearest first
+  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3, every)   # clipped; shared, nearest first
   top = np.asarray(jax.lax.top_k(edge.dense()[:, :, 0], 3)[1])
   assert all(set(row) == {0, 19, 1} for row in top[0])
-  two = selection.anchored(scores, jnp.asarray([[5, 12]], jnp.int32), 4)    # offsets -2..1: 5, 12, then 4 and 6
-  boosted = np.asarray(two.dense()[0, 0, 0]) >= selection.ANCHOR_BOOST
-  assert set(np.flatnonzero(boosted)) == {4, 5, 6, 12}
+  boosted = lambda sc: set(np.flatnonzero(np.asarray(sc.dense()[0, 0, 0]) >= selection.ANCHOR_BOOST))
+  two = jnp.asarray([[5, 12]], jnp.int32)
+  assert boosted(selection.anchored(scores, two, 4, every)) == {4, 5, 6, 12}    # offsets -2..1: 5, 12, 4, 6
+  # positions from 10 on are the ring's (16-bit anyway): the budget goes to the other window
+  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([10]))) == {3, 4, 5, 6}
+  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([3]))) == set()
 
 
 def test_lookup_options_name_their_errors():

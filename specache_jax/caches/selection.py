@@ -49,12 +49,12 @@ def anchor_before(rows: int) -> int:
   return rows // 2
 
 
-def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
+def anchored(scores: Scores, anchors_BA, rows: int, below_B) -> Scores:
   """`scores` with `rows` positions around the anchors [B, A] (`history.anchors`; negative: none) raised by
   ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. The positions
-  are the `rows` nearest to an anchor (a window from `anchor_before(rows)` before it; nearer first, then the
-  earlier anchor): one anchor gets its whole window, several share the `rows` (positions past the candidates
-  stay out; windows may overlap)."""
+  are the `rows` nearest to an anchor among those below `below_B` [B] (the ring's start: the attend reads the
+  ring in 16-bit anyway) in windows from `anchor_before(rows)` before each anchor (nearer first, then the
+  earlier anchor): one anchor gets its whole window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]
   a = anchors_BA.shape[1]
@@ -62,7 +62,7 @@ def anchored(scores: Scores, anchors_BA, rows: int) -> Scores:
     return scores
   offset_W = jnp.arange(rows, dtype=jnp.int32) - anchor_before(rows)
   pos_BAW = anchors_BA[:, :, None] + offset_W[None, None, :]
-  valid_BAW = (anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0) & (pos_BAW < s)
+  valid_BAW = (anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0) & (pos_BAW < jnp.minimum(below_B, s)[:, None, None])
   rank_AW = jnp.abs(offset_W)[None, :] * a + jnp.arange(a, dtype=jnp.int32)[:, None]     # nearer, then earlier
   priority_BX = jnp.where(valid_BAW, -rank_AW[None], -(rows + 1) * a).reshape(b, a * rows)
   best_BX, at_BX = jax.lax.top_k(priority_BX, rows)                       # the `rows` nearest positions

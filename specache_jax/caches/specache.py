@@ -492,19 +492,21 @@ def merge_candidates(method: SpeCacheConfig, probs_BKCS):
   return (jnp.max if method.candidate_merge == "max" else jnp.mean)(probs_BKCS, axis=2)
 
 
-def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: bool) -> selection.Scores:
+def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: bool, n_B) -> selection.Scores:
   """With lookup_rows: the scores with the anchor windows of the real row (its own κ choice) or of the
-  speculative candidates (κ_{t+1}) raised above every probability (`selection.anchored`)."""
+  speculative candidates (κ_{t+1}) raised above every probability (`selection.anchored`), for an attend after
+  n_B stored tokens (below its ring)."""
   if not method.lookup_rows:
     return probs
-  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows)
+  below = lowbit.boundaries(n_B, method.residual)[0]
+  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, below)
 
 
 def _next_kappa(method: SpeCacheConfig, st: State, probs_BKRS: selection.Scores, lengths):
   """κ_{t+1} from this step's probabilities (rows: `_probability_rows`; with lookup_rows, the candidates'
   anchors first); candidates: `selection.candidates(method, n + 1)` (0..n, T_t included; with skip_ring only
   those below the ring)."""
-  probs_BKRS = _anchored(method, st, probs_BKRS, real=False)
+  probs_BKRS = _anchored(method, st, probs_BKRS, real=False, n_B=lengths + 1)
   if method.candidates == 1 and not method.hedge:
     return selection.select_row(method, probs_BKRS, -1, lengths + 1)
   probs_BKRS = probs_BKRS.dense()
@@ -580,7 +582,7 @@ def choose_nonspeculative(method: SpeCacheConfig, st: State, q, k_new, v_new, le
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   _, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=method.correct_with_fetched,
                              scores_only=True)
-  return selection.select_row(method, _anchored(method, st, probs, real=True), -1, lengths)
+  return selection.select_row(method, _anchored(method, st, probs, real=True, n_B=lengths), -1, lengths)
 
 
 def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
@@ -589,7 +591,7 @@ def predecode(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   out, probs = mixed_attention(method, st, q, kn, vn, lengths, use_kappa=False)
   st = _with_spec_query(method, st, q)     # T1 is step 1's real row (the same query at layer 0; deeper layers
                                            # differ by the low-bit-only attention of this pass)
-  kappa = selection.select_row(method, _anchored(method, st, probs, real=True), -1, lengths)   # positions 0..L-1
+  kappa = selection.select_row(method, _anchored(method, st, probs, True, lengths), -1, lengths)   # stored: 0..L-1
   return out, _fetch(method, st, kappa), {}
 
 
