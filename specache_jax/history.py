@@ -1,11 +1,15 @@
-"""The ids of the tokens a cache holds, and guesses looked up in them (prompt lookup).
+"""The ids of the tokens a cache holds, and what prompt lookup reads from them.
 
 A method with `keeps_tokens` (SpeCache with `lookup > 0`) carries `Cache.tokens` [B, S] int32: position p holds
-the id of the token stored at p (the prompt's, then each step's real row). A speculative method guesses the token
-after the one just sampled; `lookup` adds the guess a copying model would make: find the latest earlier
-occurrence of the last g tokens (g = `ngram`, else the longest shorter suffix that occurs) and take the token that
-followed it. It is what decoding an answer copied from the prompt (a needle, a repeated phrase, a cycle) needs,
-and costs one pass over [B, S] ids per step, no model call.
+the id of the token stored at p (the prompt's, then each step's real row). Two uses, both a pass over [B, S] ids
+per step, no model call:
+
+  lookup   the token that followed the latest earlier occurrence of the sequence's last tokens (the longest
+           suffix of at most `ngram` that occurs): the guess a copying model makes (a needle's answer, a
+           repeated phrase, a cycle); SpeCache puts it among its speculative guesses.
+  anchors  for each row of the next decoding input, the position right after that occurrence: where an
+           induction (copying) head at that row attends. SpeCache's `lookup_rows` fetches the rows around it
+           in 16-bit whatever the 1-bit scores say (`selection.anchored`).
 """
 from __future__ import annotations
 

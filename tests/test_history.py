@@ -131,8 +131,7 @@ def test_every_anchor_window_is_in_kappa_and_lookup_rows_equal_to_topk_fetches_o
     anchors = np.asarray(cache.layers.anchor[0, 0])                       # layer 0, row 0
     np.testing.assert_array_equal(anchors, [11, 12])        # "18 19 20" ends at 10, "19 20 21" at 11: + 1
     _, cache, _ = dec.forward(params, cfg, inp, cache, method, "decode")   # κ_{t+1} from the candidate's anchor
-    start = 12 - selection.anchor_before(rows)
-    window = set(range(start, start + rows))
+    window = set(range(12 - rows // 2, 12 - rows // 2 + rows))             # the rows nearest to 12
     for layer in range(cfg.n_layers):
       for head in np.asarray(cache.layers.kappa[layer, 0]):
         assert window <= set(head.tolist()), (window, head)
@@ -144,19 +143,20 @@ def test_anchored_scores_rank_the_windows_first_and_ignore_missing_anchors():
   rs = np.random.RandomState(0)
   low = jnp.asarray(rs.uniform(size=(1, 2, 1, 20)), jnp.float32)
   scores = selection.Scores(low=low, extra=jnp.zeros((1, 2, 1, 0)), extra_pos=jnp.zeros((1, 2, 0), jnp.int32))
-  every = jnp.asarray([20])                                                 # no ring
-  got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3, every)
-  top = np.asarray(jax.lax.top_k(got.dense()[:, :, 0], 3)[1])
-  assert all(set(row) == {4, 5, 6} for row in top[0])             # anchor_before(3) = 1
-  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3, every)   # clipped; shared, nearest first
-  top = np.asarray(jax.lax.top_k(edge.dense()[:, :, 0], 3)[1])
-  assert all(set(row) == {0, 19, 1} for row in top[0])
   boosted = lambda sc: set(np.flatnonzero(np.asarray(sc.dense()[0, 0, 0]) >= selection.ANCHOR_BOOST))
+  everything = jnp.asarray([20])                                           # no 16-bit keys on the device
+  got = selection.anchored(scores, jnp.asarray([[5, history.NONE]], jnp.int32), 3, everything, window=4)
+  assert boosted(got) == {4, 5, 6}                                         # window 3..6: the 3 nearest to 5
+  top = np.asarray(jax.lax.top_k(got.dense()[:, :, 0], 3)[1])
+  assert all(set(row) == {4, 5, 6} for row in top[0])                     # before any scored position
+  edge = selection.anchored(scores, jnp.asarray([[0, 19]], jnp.int32), 3, everything, window=4)   # clipped
+  assert boosted(edge) == {0, 19, 1}                                       # shared, nearest first, then anchor 0
   two = jnp.asarray([[5, 12]], jnp.int32)
-  assert boosted(selection.anchored(scores, two, 4, every)) == {4, 5, 6, 12}    # offsets -2..1: 5, 12, 4, 6
-  # positions from 10 on are the ring's (16-bit anyway): the budget goes to the other window
-  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([10]))) == {3, 4, 5, 6}
-  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([3]))) == set()
+  assert boosted(selection.anchored(scores, two, 4, everything, window=4)) == {4, 5, 6, 12}
+  assert boosted(selection.anchored(scores, two, 8, everything, window=4)) == {3, 4, 5, 6, 10, 11, 12, 13}
+  # keys from 10 on are 16-bit on the device: the budget goes to the other window
+  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([10]), window=4)) == {3, 4, 5, 6}
+  assert boosted(selection.anchored(scores, two, 4, jnp.asarray([3]), window=4)) == set()
 
 
 def test_lookup_options_name_their_errors():

@@ -41,35 +41,33 @@ class Scores(NamedTuple):
 
 
 ANCHOR_BOOST = 2.0   # added to an anchored position's score: above any probability (at most 1) plus itself
+ANCHOR_WINDOW = 32   # positions around one anchor, half of them before it: the copied phrase's context and continuation
 
 
-def anchor_before(rows: int) -> int:
-  """How many of an anchor window's `rows` positions lie before its anchor: half (the copied phrase's context
-  and its continuation)."""
-  return rows // 2
-
-
-def anchored(scores: Scores, anchors_BA, rows: int, below_B) -> Scores:
-  """`scores` with `rows` positions around the anchors [B, A] (`history.anchors`; negative: none) raised by
-  ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. The positions
-  are the `rows` nearest to an anchor among those below `below_B` [B] (the ring's start: the attend reads the
-  ring in 16-bit anyway) in windows from `anchor_before(rows)` before each anchor (nearer first, then the
-  earlier anchor): one anchor gets its whole window, several share the `rows` (windows may overlap)."""
+def anchored(scores: Scores, anchors_BA, rows: int, key_qlen_B, window: int = ANCHOR_WINDOW) -> Scores:
+  """`scores` with at most `rows` positions around the anchors [B, A] (`history.anchors`; negative: none)
+  raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. Each
+  anchor has a `window` of positions, half before it; of those whose keys the device holds only in low bits
+  (below key_qlen_B [B], `lowbit.boundaries`), the `rows` nearest to their anchor are taken (ties: the earlier
+  anchor first). One anchor gets its window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]
   a = anchors_BA.shape[1]
   if rows == 0 or a == 0:
     return scores
-  offset_W = jnp.arange(rows, dtype=jnp.int32) - anchor_before(rows)
+  offset_W = jnp.arange(window, dtype=jnp.int32) - window // 2
   pos_BAW = anchors_BA[:, :, None] + offset_W[None, None, :]
-  valid_BAW = (anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0) & (pos_BAW < jnp.minimum(below_B, s)[:, None, None])
+  valid_BAW = ((anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0)
+               & (pos_BAW < jnp.minimum(key_qlen_B, s)[:, None, None]))
   rank_AW = jnp.abs(offset_W)[None, :] * a + jnp.arange(a, dtype=jnp.int32)[:, None]     # nearer, then earlier
-  priority_BX = jnp.where(valid_BAW, -rank_AW[None], -(rows + 1) * a).reshape(b, a * rows)
-  best_BX, at_BX = jax.lax.top_k(priority_BX, rows)                       # the `rows` nearest positions
-  pos_BX = jnp.take_along_axis(pos_BAW.reshape(b, a * rows), at_BX, axis=1)
-  pos_BX = jnp.where(best_BX > -(rows + 1) * a, pos_BX, s)                # s: adds nothing
-  pos_BKE = jnp.broadcast_to(pos_BX[:, None, :], (b, k, rows))
-  boost = jnp.full((b, k, r, rows), ANCHOR_BOOST, scores.extra.dtype)
+  none = -window * a - 1
+  priority_BX = jnp.where(valid_BAW, -rank_AW[None], none).reshape(b, a * window)
+  best_BX, at_BX = jax.lax.top_k(priority_BX, min(rows, a * window))      # the first positions
+  pos_BX = jnp.take_along_axis(pos_BAW.reshape(b, a * window), at_BX, axis=1)
+  pos_BX = jnp.where(best_BX > none, pos_BX, s)                           # s: adds nothing
+  e = pos_BX.shape[1]
+  pos_BKE = jnp.broadcast_to(pos_BX[:, None, :], (b, k, e))
+  boost = jnp.full((b, k, r, e), ANCHOR_BOOST, scores.extra.dtype)
   return Scores(low=scores.low, extra=jnp.concatenate([scores.extra, boost], axis=-1),
                 extra_pos=jnp.concatenate([scores.extra_pos, pos_BKE.astype(scores.extra_pos.dtype)], axis=-1))
 

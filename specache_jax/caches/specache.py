@@ -54,7 +54,7 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 PRESETS = {
     "faithful": lambda topk: {},
     "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
-                                lowbit_in_output=False, lookup=3, lookup_rows=topk // 2),
+                                lowbit_in_output=False, lookup=3, lookup_rows=topk),
 }
 
 
@@ -94,9 +94,10 @@ class SpeCacheConfig(CacheConfig):
   lookup: int = 0               # > 0: the token that followed the latest earlier occurrence of the last `lookup`
                                 # tokens (or a shorter suffix) in the prompt and output so far replaces the last
                                 # guess where it is not one already (prompt lookup: copied text, cycles; history.py)
-  lookup_rows: int = 0          # > 0 (needs lookup): κ always holds, for each row that will use it, this many
-                                # positions from one before where that row's token sequence occurred last + 1 (where
-                                # a copying head reads; `history.anchors`), the rest by score. Same bytes
+  lookup_rows: int = 0          # > 0 (needs lookup): up to this many of κ's rows are taken, before any scored row,
+                                # around the anchors of the rows that will use κ (where each row's last 3 tokens
+                                # occurred before, + 1: where a copying head reads; `history.anchors`): the nearest
+                                # of a window of selection.ANCHOR_WINDOW each whose keys are low-bit. Same bytes
   lowbit_in_output: bool = True  # False: a decoding step's output attends only κ_t's 16-bit rows, the ring (16-bit
                                 # values; keys low-bit where already quantized) and the new rows: no low-bit value
                                 # enters it, the low-bit copy only scores (κ_{t+1}; and the pre-decoding pass's T1,
@@ -498,8 +499,8 @@ def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: 
   n_B stored tokens (below its ring)."""
   if not method.lookup_rows:
     return probs
-  below = lowbit.boundaries(n_B, method.residual)[0]
-  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, below)
+  key_qlen = lowbit.boundaries(n_B, method.residual)[0]
+  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, key_qlen)
 
 
 def _next_kappa(method: SpeCacheConfig, st: State, probs_BKRS: selection.Scores, lengths):
