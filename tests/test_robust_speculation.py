@@ -276,10 +276,10 @@ def test_presets_name_settings_that_explicit_ones_override():
   robust = sj.cache_config("specache", bits=1, preset="robust")
   assert (robust.candidates, robust.exact_on_miss, robust.correct_with_fetched, robust.lowbit_in_output) == (
       3, True, True, False)
-  assert (robust.lookup, robust.lookup_rows) == (3, 32)                      # lookup_rows: half the k rows
+  assert (robust.lookup, robust.lookup_rows) == (3, 64)                      # lookup_rows: the k rows
   assert robust.bits == 1 and robust.topk == 64 and not (robust.skip_ring or robust.hedge or robust.drift)
   k32 = sj.cache_config("specache", bits=1, topk=32, preset="robust")
-  assert (k32.topk, k32.lookup_rows) == (32, 16)
+  assert (k32.topk, k32.lookup_rows) == (32, 32)
   assert sj.cache_config("specache", preset="robust", candidates=2, lowbit_in_output=True).candidates == 2
   assert sj.cache_config("specache", bits=1, preset="faithful") == sj.cache_config("specache", bits=1)
   with pytest.raises(sj.ConfigError, match=r"preset='fast' is not a SpeCache preset.*faithful.*robust"):
