@@ -3,7 +3,11 @@ the benchmarks.
 
   prefill -> first token (sampled) -> `start` (SpeCache: the pre-decoding pass + its speculative guess)
   -> steps: decode [T_t(, T'_{t+1})] -> sample T_{t+1} -> `next_input` -> `speculation` (hits, misses)
-     -> `observe_speculation` (tell the method which rows missed)
+     -> `observe_speculation` (tell the method which rows missed and, with prompt lookup, where the next
+        input's rows copy from: `input_anchors`)
+
+A method with `keeps_tokens` (SpeCache's `lookup`) gets a cache that records its tokens' ids (`Cache.tokens`,
+history.py): `next_input` and `start` then take a looked-up guess among the model's (`lookup_guess`).
 
 Every cache method runs through the same loop; a method that decodes speculative rows beside the real one
 (SpeCache: one guess of the next token, or its `candidates` likeliest) declares `decode_width = 1 + C` and the

@@ -45,12 +45,13 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 # Named settings (`cache_config("specache", preset=...)`), each a function of the k rows fetched:
 #   faithful  the paper's method: every robust-speculation option off (the defaults);
 #   robust    the best combination measured (README, results/speculation: SmolLM2-135M, 1-bit): 3 speculative
-#             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False. NIAH 13/15 (full 15,
-#             faithful 0), RULER 24.7 (full 36.2, faithful 7.3), 4k-8k perplexity +8.9% over full (faithful +68%),
-#             ~1% of (layer, KV head) fetches on the critical path; its cost: 2 more query rows per step and
-#             a host sync per step; offloaded at 4k, B=1, 1.63x the faithful step on text prompts (28% of steps
-#             missed), 2.74x on random tokens (all missed): results/speculation/steps_robust_{text_,}cpu.md.
-#             The former robust preset is the label specache_1bit_skiphedgedrift.
+#             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False, and prompt lookup (lookup=3:
+#             a looked-up guess; lookup_rows=k: while the output repeats 3 tokens of the context, κ is the rows
+#             around where they occurred). NIAH 15/15 + 14/15 of a 2nd needle (full 15 + 14; without lookup
+#             13 + 10; faithful 0), 0.8% of (layer, KV head) fetches on the critical path; its cost: 2 more query
+#             rows per step, a host sync per step, 4 bytes per token of ids; RULER, perplexity and the offloaded
+#             step: README. Earlier robust presets: the labels specache_1bit_skiphedgedrift and (before lookup)
+#             specache_1bit_cand3eom_fetched_scoreonly.
 PRESETS = {
     "faithful": lambda topk: {},
     "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
