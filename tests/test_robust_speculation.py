@@ -339,7 +339,7 @@ def test_candidates_merge_their_probabilities_into_one_top_k():
   scores = selection.Scores(probs, jnp.zeros((2, 3, 4, 0)), jnp.zeros((2, 3, 0), jnp.int32))   # no 16-bit columns
   for merge, fn in (("max", np.max), ("mean", np.mean)):
     method = sj.cache_config("specache", topk=5, candidates=3, candidate_merge=merge, **BASE)
-    kappa = np.asarray(sc._next_kappa(method, scores, n))
+    kappa = np.asarray(sc._next_kappa(method, None, scores, n))     # no lookup_rows: no state read
     for b in range(2):
       score = np.where(np.arange(40) < int(n[b]) + 1, fn(np.asarray(probs[b, :, 1:]), axis=1), -1.0)
       for k in range(3):
