@@ -46,19 +46,18 @@ def test_specache_with_topk_covering_the_context_equals_full_each_step(model):
   assert worst <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(ref)))), worst
 
 
-def test_needles_retrieved_by_full_specache_2bit_1bit_k256_and_1bit_robust(model, tmp_path):
+def test_needles_retrieved_by_full_specache_2bit_and_1bit_robust(model, tmp_path):
   """Held on the cells of results/niah where they were measured to retrieve (1024 tokens, depths 0.25 and 0.75):
-  SpeCache 2-bit (g64, R64, k64), SpeCache 1-bit at k=256, and SpeCache 1-bit k=64 with the robust preset
-  (candidates, exact_on_miss, prompt lookup; results/speculation/niah). Recorded there, not asserted: on this
-  135M model SpeCache 1-bit at k=64 retrieves no needle (speculation misses; it answers "eat a sandwich." and
-  drops "Dolores Park"), and 2-bit misses 3 of 6 cells."""
+  SpeCache 2-bit (g64, R64, k64) and SpeCache 1-bit k=64 with the robust preset (candidates, exact_on_miss,
+  prompt lookup; results/speculation/niah). Recorded there, not asserted: on this 135M model SpeCache 1-bit at
+  k=64 retrieves no needle (speculation misses; it answers "eat a sandwich." and drops "Dolores Park"), and 2-bit
+  misses 3 of 6 cells. (1-bit at k=256 retrieved these cells too; dropped from this test for CI time.)"""
   from configs.niah import get_config
   from specache_jax.experiments_lib import niah
   config = get_config("cpu")
   config.lengths = "1024"
   config.depths = "0.25,0.75"
-  config.run_methods = "full,specache_2bit,specache_1bit_k256,specache_1bit_robust"
-  config.methods.specache_1bit_k256 = dict(config.methods.specache_1bit, topk=256)
+  config.run_methods = "full,specache_2bit,specache_1bit_robust"
   config.output_dir = str(tmp_path)
   result = niah.run(config, model=model, log=lambda *_: None)
   by_method = {}
@@ -67,5 +66,5 @@ def test_needles_retrieved_by_full_specache_2bit_1bit_k256_and_1bit_robust(model
     by_method.setdefault(label, {})[cell] = rec["correct"]
   full = by_method["full"]
   assert len(full) == 2 and all(full.values()), full          # cases chosen where the full cache succeeds
-  for label in ("specache_2bit", "specache_1bit_k256", "specache_1bit_robust"):
+  for label in ("specache_2bit", "specache_1bit_robust"):
     assert all(by_method[label][c] for c, ok in full.items() if ok), (label, by_method[label])
