@@ -31,7 +31,6 @@ from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.model import decoder
 from specache_jax.model.config import ModelConfig
 
-ANCHOR_MIN_MATCH = 3   # `input_anchors`: the shortest matched suffix an anchor stands on (lookup_ngram permitting)
 SLOT_ROUNDING = 128  # cache slots are rounded up so nearby lengths reuse one compiled program
 
 
@@ -163,9 +162,7 @@ def input_anchors(method: CacheConfig, tokens_BS, lengths_B, inp_BW):
   [B, 1] gets `history.NONE` for its candidates), or None for a method without `anchor_rows`."""
   if not method.anchor_rows:
     return None
-  # a short repeat ("in the") says little about where a row copies from: three tokens, where the n-gram allows
-  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, method.lookup_ngram,
-                          min_match=min(ANCHOR_MIN_MATCH, method.lookup_ngram))
+  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, method.lookup_ngram, min_match=method.anchor_min_match)
   pad = method.decode_width - at_BW.shape[1]
   return jnp.pad(at_BW, ((0, 0), (0, pad)), constant_values=history.NONE) if pad else at_BW
 

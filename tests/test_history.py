@@ -168,6 +168,8 @@ def test_lookup_options_name_their_errors():
     sj.cache_config("specache", topk=8, lookup=1, lookup_rows=9, **BASE)
   with pytest.raises(ConfigError, match="lookup"):
     sj.cache_config("specache", lookup=-1, **BASE)
+  with pytest.raises(ConfigError, match="anchor_match"):
+    sj.cache_config("specache", lookup=3, lookup_rows=4, anchor_match=0, **BASE)
   method = sj.cache_config("specache", topk=4, lookup=2, **BASE)
   with pytest.raises(ValueError, match="needs the cache's token ids"):
     decode.lookup_guess(method, None, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))

@@ -56,6 +56,11 @@ class CacheConfig:
     return 0
 
   @property
+  def anchor_min_match(self) -> int:
+    """The shortest repeat (tokens) that anchors a row (`anchor_rows`)."""
+    return 1
+
+  @property
   def keeps_tokens(self) -> bool:
     """Whether the cache carries the ids of its tokens (`Cache.tokens`; lookups read them)."""
     return self.lookup_ngram > 0

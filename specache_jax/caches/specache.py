@@ -100,6 +100,8 @@ class SpeCacheConfig(CacheConfig):
                                 # around the anchors of the rows that will use κ (where each row's last 3 tokens
                                 # occurred before, + 1: where a copying head reads; `history.anchors`): the nearest
                                 # of a window of selection.ANCHOR_WINDOW each whose keys are low-bit. Same bytes
+  anchor_match: int = 3         # the shortest repeat (tokens; `lookup` if that is shorter) that anchors a row:
+                                # short ones ("in the") are everywhere in prose
   lowbit_in_output: bool = True  # False: a decoding step's output attends only κ_t's 16-bit rows, the ring (16-bit
                                 # values; keys low-bit where already quantized) and the new rows: no low-bit value
                                 # enters it, the low-bit copy only scores (κ_{t+1}; and the pre-decoding pass's T1,
@@ -156,6 +158,7 @@ class SpeCacheConfig(CacheConfig):
     if self.lookup_rows and not self.lookup:
       raise ConfigError(f"lookup_rows={self.lookup_rows} anchors κ where the tokens occurred before; it needs "
                         "lookup > 0 (the n-gram it matches)")
+    check_int("anchor_match", self.anchor_match, 1)
     if self.lookup_rows > self.topk:
       raise ConfigError(f"lookup_rows={self.lookup_rows} must be at most topk={self.topk} (a share of the k rows)")
     if self.candidate_merge not in CANDIDATE_MERGES:
@@ -194,6 +197,10 @@ class SpeCacheConfig(CacheConfig):
   @property
   def anchor_rows(self) -> int:
     return self.lookup_rows
+
+  @property
+  def anchor_min_match(self) -> int:
+    return min(self.anchor_match, self.lookup)
 
   @property
   def decode_width(self) -> int:

@@ -157,4 +157,6 @@ def robust() -> dict[str, dict[str, Any]]:
       # prompt lookup (history.py), which the robust preset now has: the token after the last tokens' latest
       # earlier occurrence as a guess only (no anchored rows)
       "specache_1bit_robust_lookup": dict(former, lookup=3),
+      # anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
+      "specache_1bit_robust_match4": dict(base, preset="robust", lookup=8, anchor_match=4),
   }
