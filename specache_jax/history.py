@@ -43,21 +43,24 @@ def match(tokens_BS, lengths_B, tail_BT, ngram: int):
   of that length) and that suffix's length; (`NONE`, 0) where even its last token never occurred before. The
   sequence is tokens[:lengths] then tail [B, T] (tokens not stored yet); an earlier occurrence ends before the
   last tail token's position lengths + T - 1."""
-  b, s = tokens_BS.shape
-  t = tail_BT.shape[1]
+  end_B = lengths_B.astype(jnp.int32) + (tail_BT.shape[1] - 1)               # the last tail token's position
+  return _match_in(write_rows(tokens_BS, tail_BT, lengths_B), end_B, ngram)
+
+
+def _match_in(seq_BS, end_B, ngram: int):
+  """`match` on the written sequence seq_BS [B, S] ending at end_B [B]."""
+  b, s = seq_BS.shape
   if ngram < 1:
     raise ValueError(f"{ngram=} must be >= 1")
-  end_B = lengths_B.astype(jnp.int32) + (t - 1)                              # the last tail token's position
-  seq_BS = write_rows(tokens_BS, tail_BT, lengths_B)
   pos_S = jnp.arange(s, dtype=jnp.int32)
   matched_BS = jnp.zeros((b, s), jnp.int32)          # suffix tokens equal to those ending at i, up to ngram
   alive_BS = jnp.ones((b, s), bool)
   for j in range(ngram):
     ref_B = jnp.take_along_axis(seq_BS, jnp.clip(end_B - j, 0, s - 1)[:, None], axis=1)[:, 0]
     here_BS = jnp.roll(seq_BS, j, axis=1)                                   # seq[i - j] at column i
-    alive_BS = alive_BS & (here_BS == ref_B[:, None]) & (pos_S[None, :] >= j) & (end_B[:, None] >= j)
+    alive_BS = alive_BS & (here_BS == ref_B[:, None]) & (pos_S[None, :] >= j)
     matched_BS = matched_BS + alive_BS.astype(jnp.int32)
-  earlier_BS = pos_S[None, :] < end_B[:, None]
+  earlier_BS = pos_S[None, :] < end_B[:, None]       # (i < end and i >= j: the suffix's j-th token is real)
   key_BS = jnp.where(earlier_BS & (matched_BS > 0), matched_BS * s + pos_S[None, :], -1)
   best_B = jnp.max(key_BS, axis=1)
   found_B = best_B >= 0
@@ -69,8 +72,8 @@ def lookup(tokens_BS, lengths_B, next_B, ngram: int):
   """The token that followed the latest earlier occurrence of the sequence's last tokens (`match`; the sequence
   is tokens[:lengths] then next, the token just sampled) -> [B] int32, `NONE` where there is none."""
   s = tokens_BS.shape[1]
-  at_B, _ = match(tokens_BS, lengths_B, next_B[:, None], ngram)
   seq_BS = write_rows(tokens_BS, next_B[:, None], lengths_B)
+  at_B, _ = _match_in(seq_BS, lengths_B.astype(jnp.int32), ngram)
   follow_B = jnp.take_along_axis(seq_BS, jnp.clip(at_B + 1, 0, s - 1)[:, None], axis=1)[:, 0]
   return jnp.where(at_B != NONE, follow_B, NONE).astype(jnp.int32)
 
