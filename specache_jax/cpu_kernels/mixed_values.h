@@ -79,11 +79,7 @@ void ValueBlock(const float* w, int64_t stride, int64_t m0, int64_t n, const uin
 template <int RB, int NB>
 void ValueBlocks1(const float* w, int64_t stride, int64_t m0, int64_t n, const uint8_t* codes, int64_t c_bytes,
                   int64_t j0, float* o, int64_t hd) {
-#if defined(__AVX512F__) && (defined(__znver4__) || defined(__znver5__))
-  constexpr bool kFmaRows = true;
-#else
-  constexpr bool kFmaRows = false;
-#endif
+  constexpr bool kFmaRows = kSplitAddPipes;
   V acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V{};
