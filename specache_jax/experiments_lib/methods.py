@@ -159,4 +159,9 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_robust_lookup": dict(former, lookup=3),
       # anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
       "specache_1bit_robust_match4": dict(base, preset="robust", lookup=8, anchor_match=4),
+      # ... on repeats of 6+ (the last 3 steps' lookups were right: a copy in progress, not a common phrase)
+      "specache_1bit_robust_match6": dict(base, preset="robust", lookup=8, anchor_match=6),
+      # half of κ for the anchors (one 32-row window; the needle's rows fit one): the other 32 rows stay scored
+      "specache_1bit_robust_r32": dict(base, preset="robust", lookup_rows=32),
+      "specache_1bit_robust_r32m4": dict(base, preset="robust", lookup_rows=32, lookup=8, anchor_match=4),
   }
