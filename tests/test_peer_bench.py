@@ -193,3 +193,13 @@ def test_peer_bench_end_to_end(tmp_path):
   n = meta["prefill_rounds"]
   assert [r["prefill_rounds"] for r in merged["meta"]["merged_runs"]] == [n, n + 2]
   assert f"prefills {n}–{n + 2}× in rotating order" in md and f"{n + 2} prefill(s) per method and cell" in md
+  # a merged report takes a later run's cells: its runs stay listed one by one, the new run's cell replaces theirs
+  third = json.loads(json.dumps(result))
+  third["meta"]["command"] = "python -m experiments.peer_bench (a third run)"
+  third["cells"][0]["from_the_third_run"] = True
+  again = peer.merge([merged, third], peer_cfg.get_config("test").targets)
+  assert [r["command"] for r in again["meta"]["merged_runs"]] == [meta["command"], other["meta"]["command"],
+                                                                   third["meta"]["command"]]
+  assert [(x["context"], x["batch"]) for x in again["cells"]] == want
+  first = (result["cells"][0]["context"], result["cells"][0]["batch"])
+  assert next(c for c in again["cells"] if (c["context"], c["batch"]) == first).get("from_the_third_run")

@@ -504,7 +504,8 @@ def merge(results: list[dict], targets_config) -> dict:
   """Several runs' results as one (e.g. a grid split so that one process never holds every method's cache at
   the largest cell): cells sorted by (context, batch), a later run's cell replacing an earlier one's; the first
   run's machine limits and parity; the scaling curve of the last run that has one; targets recomputed.
-  meta["merged_runs"] records each run's command, cells, limits and load, for the report."""
+  meta["merged_runs"] records each run's command, cells, limits and load, for the report; a result that is itself
+  a merge contributes its own runs (so a committed report can take a new run's cells)."""
   if not results:
     raise ValueError("merge needs at least one result")
   meta = dict(results[0]["meta"])
@@ -517,6 +518,9 @@ def merge(results: list[dict], targets_config) -> dict:
     done = [c for c in r["cells"] if "methods" in c]
     for c in done:
       cells[(c["context"], c["batch"])] = c
+    if "merged_runs" in m:
+      runs.extend(m["merged_runs"])
+      continue
     runs.append({"command": m.get("command", ""), "cells": [f"{c['context']}/B{c['batch']}" for c in done],
                  "prefill_rounds": m["prefill_rounds"],
                  "limits": m["limits"], "machine_start": m.get("machine_start", {}),
