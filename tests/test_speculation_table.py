@@ -23,14 +23,16 @@ def _stores(tmp_path, eom_niah=(True, True, True, False), eom_ruler=(1.0, 0.0), 
       "a": {"method": "specache_1bit", "exact_hit_rate": 0.6, "topk_hit_rate": 0.7},
       "b": {"method": "specache_1bit_eom", "exact_hit_rate": 0.3, "topk_hit_rate": 0.68, "sync_fetch_rate": 0.08}})
   cells = {}
-  for i, (full_ok, eom_ok) in enumerate(zip((True, True, True, False), eom_niah)):
+  for i, full_ok in enumerate((True, True, True, False)):
     cells[f"f{i}"] = {"method": "full", "length": 1024, "depth": i / 4, "correct": full_ok}
+  for i, eom_ok in enumerate(eom_niah):                 # fewer than full's 4: a run still going
     cells[f"e{i}"] = {"method": "specache_1bit_eom", "length": 1024, "depth": i / 4, "correct": eom_ok}
   niah = _write(tmp_path / "niah.json", cells)
+  sample = lambda method, i, score: {"method": method, "task": "qa_1", "length": 4096, "index": i,   # noqa: E731
+                                     "score": score}
   ruler = _write(tmp_path / "ruler.json", {
-      "f0": {"method": "full", "score": 1.0}, "f1": {"method": "full", "score": 0.0},
-      "e0": {"method": "specache_1bit_eom", "score": eom_ruler[0]},
-      "e1": {"method": "specache_1bit_eom", "score": eom_ruler[1]}})
+      "f0": sample("full", 0, 1.0), "f1": sample("full", 1, 0.0),
+      **{f"e{i}": sample("specache_1bit_eom", i, x) for i, x in enumerate(eom_ruler)}})
   steps = tmp_path / "steps.json"
   steps.write_text(json.dumps({"cells": [{"context": 4096, "batch": 1, "methods": {
       "full": {"step_s": 0.03}, "specache_1bit_offload": {"step_s": 0.04},
@@ -65,6 +67,26 @@ def test_table_joins_the_stores_and_checks_the_bar(tmp_path):
 def test_the_bar_is_not_met_when_one_limit_is_missed(tmp_path, niah, ruler, nll):
   rows, _ = speculation.table(*_stores(tmp_path, niah, ruler, nll))
   assert not {r["label"]: r for r in rows}["specache_1bit_eom"]["meets"]
+
+
+def test_a_run_still_going_is_partial_not_its_average_so_far(tmp_path):
+  """RULER or NIAH cells covering only part of the full cache's: no average, no ratio, the bar not met."""
+  rows, md = speculation.table(*_stores(tmp_path, eom_niah=(True, True), eom_ruler=(1.0,)))
+  eom = {r["label"]: r for r in rows}["specache_1bit_eom"]
+  assert "ruler" not in eom and eom.get("ruler_vs_full") is None and eom["ruler_partial"] == (1, 2)
+  assert eom.get("niah_vs_full") is None and eom["niah_partial"] == (2, 4) and not eom["meets"]
+  assert "partial (1/2 of full's cells)" in md and "partial (2/4 of full's cells)" in md
+  # a label that ran only the config's needle of a store where the full cache also ran a second one: whole grid
+  cells = json.loads((tmp_path / "niah.json").read_text())["cells"]
+  cells.update({f"x{i}": {"method": "full", "needle": "lighthouse", "length": 1024, "depth": i / 4, "correct": True}
+                for i in range(4)})
+  cells.update({f"e{i}": {"method": "specache_1bit_eom", "length": 1024, "depth": i / 4, "correct": ok}
+                for i, ok in enumerate((True, False, True, True))})
+  _write(tmp_path / "niah.json", cells)
+  rows, _ = speculation.table(*(tmp_path / n for n in ("hit.json", "niah.json", "ruler.json", "steps.json",
+                                                       "ppl.json")))
+  eom = {r["label"]: r for r in rows}["specache_1bit_eom"]
+  assert eom["niah"] == (3, 4) and eom["niah_vs_full"] == pytest.approx(2 / 3) and "niah_partial" not in eom
 
 
 def test_missing_stores_give_no_rows(tmp_path):

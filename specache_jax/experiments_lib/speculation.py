@@ -55,11 +55,11 @@ def niah_rows(path) -> dict[str, dict]:
   return out
 
 
-def ruler_rows(path) -> dict[str, list[float]]:
-  """label -> every sample's score (0..1), as RULER's average takes them."""
-  out: dict[str, list[float]] = {}
+def ruler_rows(path) -> dict[str, dict]:
+  """label -> {(task, length, sample index): score (0..1)}, the samples RULER's average takes."""
+  out: dict[str, dict] = {}
   for c in _cells(path).values():
-    out.setdefault(c["method"], []).append(float(c["score"]))
+    out.setdefault(c["method"], {})[(c["task"], c["length"], c["index"])] = float(c["score"])
   return out
 
 
@@ -98,7 +98,7 @@ def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> t
                                   step_rows(steps_path), perplexity_rows(perplexity_path))
   labels = [l for l in specs if l.startswith(FAITHFUL) and any(l in d for d in (hit, niah, ruler, steps, ppl))]
   full_niah = niah.get(FULL, {})
-  full_ruler = float(np.mean(ruler[FULL])) if ruler.get(FULL) else None
+  full_ruler = float(np.mean(list(ruler[FULL].values()))) if ruler.get(FULL) else None
   base_step = steps.get(FAITHFUL, {}).get("step_s")
   full_bytes = device_bytes(specs[FULL])
   rows = []
@@ -108,13 +108,25 @@ def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> t
       r["exact_hit"] = hit[label].get("exact_hit_rate")
       r["topk_hit"] = hit[label].get("topk_hit_rate")
       r["sync_fetch_rate"] = hit[label].get("sync_fetch_rate", 0.0)     # absent: never on the critical path
+    # a ratio to the full cache only over whole grids: every cell the full cache has for each needle the label
+    # ran (some labels ran the config's needle only), every RULER sample; a run still going, or one stopped
+    # early, is reported as partial, never as its average so far
     if label in niah:
-      both = [k for k, ok in full_niah.items() if ok and k in niah[label]]
+      needles = {k[0] for k in niah[label]}
+      grid = [k for k in full_niah if k[0] in needles]
+      found = [k for k in grid if full_niah[k]]
       r["niah"] = (sum(niah[label].values()), len(niah[label]))
-      r["niah_vs_full"] = sum(niah[label][k] for k in both) / len(both) if both else None
+      if all(k in niah[label] for k in grid):
+        r["niah_vs_full"] = sum(niah[label][k] for k in found) / len(found) if found else None
+      else:
+        r["niah_partial"] = (sum(k in niah[label] for k in grid), len(grid))
     if ruler.get(label):
-      r["ruler"] = 100 * float(np.mean(ruler[label]))
-      r["ruler_vs_full"] = float(np.mean(ruler[label])) / full_ruler if full_ruler else None
+      if ruler.get(FULL) and all(k in ruler[label] for k in ruler[FULL]):
+        mine = float(np.mean([ruler[label][k] for k in ruler[FULL]]))
+        r["ruler"] = 100 * mine
+        r["ruler_vs_full"] = mine / full_ruler if full_ruler else None
+      else:
+        r["ruler_partial"] = (sum(k in ruler[label] for k in ruler.get(FULL, {})), len(ruler.get(FULL, {})))
     if label in ppl:
       r["ppl"] = ppl[label]
       r["ppl_vs_full"] = ppl[label] / ppl[FULL] if FULL in ppl else None
@@ -131,6 +143,12 @@ def _fmt(v, spec: str) -> str:
   return "–" if v is None else format(v, spec)
 
 
+def _partial(r: dict, name: str) -> str:
+  """'partial (n/N of full's cells)' where a label's cells do not yet cover the full cache's, else ''."""
+  got = r.get(f"{name}_partial")
+  return f"partial ({got[0]}/{got[1]} of full's cells)" if got else ""
+
+
 COLUMNS = ("SpeCache 1-bit", "device bytes × full (bf16, 8k)", "exact-token hit", "top-k hit",
            "sync fetches (layer, KV head)", "NIAH found", "NIAH × full's", "RULER avg", "RULER × full's",
            f"PPL {PPL_BUCKET}", "PPL × full's",
@@ -144,7 +162,8 @@ def _markdown(rows, full_niah, full_ruler, full_ppl, full_step, faithful_step) -
   for r in rows:
     cells = [r["label"], f"{r['bytes_vs_full']:.3f}", _fmt(r.get("exact_hit"), ".3f"), _fmt(r.get("topk_hit"), ".3f"),
              _fmt(r.get("sync_fetch_rate"), ".1%"), f"{r['niah'][0]}/{r['niah'][1]}" if "niah" in r else "–",
-             _fmt(r.get("niah_vs_full"), ".0%"), _fmt(r.get("ruler"), ".1f"), _fmt(r.get("ruler_vs_full"), ".0%"),
+             _partial(r, "niah") or _fmt(r.get("niah_vs_full"), ".0%"), _partial(r, "ruler") or _fmt(r.get("ruler"), ".1f"),
+             _fmt(r.get("ruler_vs_full"), ".0%"),
              _fmt(r.get("ppl"), ".2f"), _fmt(r.get("ppl_vs_full"), ".2f"),
              _fmt(r.get("step_ms"), ".1f"), _fmt(r.get("step_vs_faithful"), ".2f"), "yes" if r["meets"] else "no"]
     lines.append("| " + " | ".join(cells) + " |")
