@@ -51,9 +51,10 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 #             around where they occurred). NIAH 15/15 + 14/15 of a 2nd needle (full 15 + 14; without lookup
 #             13 + 10; faithful 0), RULER 30.4 (full 36.2; without lookup 24.7), 0.8% of (layer, KV head) fetches
 #             on the critical path; but 4k-8k perplexity +37% over full (without lookup +9%: prose repeats anchor
-#             too). Its cost: 2 more query rows per step, a host sync per step, 4 bytes per token of ids; offloaded
-#             at 4k, B=1: README. Earlier robust presets: the labels specache_1bit_skiphedgedrift and (before
-#             lookup) specache_1bit_cand3eom_fetched_scoreonly.
+#             too; with anchor_match=6, lookup=8 +10% and RULER 26.1, NIAH unchanged). Its cost: 2 more query
+#             rows per step, a host sync per step, 4 bytes per token of ids; offloaded at 4k, B=1: README.
+#             Earlier robust presets: the labels specache_1bit_skiphedgedrift and (before lookup)
+#             specache_1bit_cand3eom_fetched_scoreonly.
 PRESETS = {
     "faithful": lambda topk: {},
     "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
