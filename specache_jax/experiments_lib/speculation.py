@@ -121,12 +121,13 @@ def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> t
       else:
         r["niah_partial"] = (sum(k in niah[label] for k in grid), len(grid))
     if ruler.get(label):
-      if ruler.get(FULL) and all(k in ruler[label] for k in ruler[FULL]):
-        mine = float(np.mean([ruler[label][k] for k in ruler[FULL]]))
+      want = ruler.get(FULL) or ruler[label]          # no full-cache samples: the label's own, no ratio
+      if all(k in ruler[label] for k in want):
+        mine = float(np.mean([ruler[label][k] for k in want]))
         r["ruler"] = 100 * mine
         r["ruler_vs_full"] = mine / full_ruler if full_ruler else None
       else:
-        r["ruler_partial"] = (sum(k in ruler[label] for k in ruler.get(FULL, {})), len(ruler.get(FULL, {})))
+        r["ruler_partial"] = (sum(k in ruler[label] for k in want), len(want))
     if label in ppl:
       r["ppl"] = ppl[label]
       r["ppl_vs_full"] = ppl[label] / ppl[FULL] if FULL in ppl else None
