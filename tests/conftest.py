@@ -4,8 +4,7 @@ import shutil
 
 # LLVM at -O0 for XLA:CPU's generated code: most of a test's time is compiling small programs once (a cold run on
 # 2 cores: 1432 s at the default level, 918 s at -O0); the custom calls, matmuls and convolutions are prebuilt and
-# as fast.
-# Tests compare paths compiled alike and time nothing; benchmarks and experiments keep the default.
+# as fast. Tests compare paths compiled alike and time nothing; benchmarks and experiments keep the default.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
