@@ -164,4 +164,7 @@ def robust() -> dict[str, dict[str, Any]]:
       # half of κ for the anchors (one 32-row window; the needle's rows fit one): the other 32 rows stay scored
       "specache_1bit_robust_r32": dict(base, preset="robust", lookup_rows=32),
       "specache_1bit_robust_r32m4": dict(base, preset="robust", lookup_rows=32, lookup=8, anchor_match=4),
+      # κ of 128 rows (device bytes 0.117x full, within the bar's 0.12): up to 64 around the anchors, the other 64
+      # (at least) scored as without lookup, so an anchor in prose no longer displaces the scored rows
+      "specache_1bit_robust_k128r64": dict(base, preset="robust", topk=128, lookup_rows=64),
   }
