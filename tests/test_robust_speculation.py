@@ -276,10 +276,11 @@ def test_presets_name_settings_that_explicit_ones_override():
   robust = sj.cache_config("specache", bits=1, preset="robust")
   assert (robust.candidates, robust.exact_on_miss, robust.correct_with_fetched, robust.lowbit_in_output) == (
       3, True, True, False)
-  assert (robust.lookup, robust.lookup_rows) == (3, 64)                      # lookup_rows: the k rows
-  assert robust.bits == 1 and robust.topk == 64 and not (robust.skip_ring or robust.hedge or robust.drift)
+  assert (robust.lookup, robust.topk, robust.lookup_rows) == (3, 128, 64)    # its own k, half of it for anchors
+  assert robust.bits == 1 and not (robust.skip_ring or robust.hedge or robust.drift)
   k32 = sj.cache_config("specache", bits=1, topk=32, preset="robust")
-  assert (k32.topk, k32.lookup_rows) == (32, 32)
+  assert (k32.topk, k32.lookup_rows) == (32, 16)                            # a k given: still half
+  assert sj.cache_config("specache", bits=1, topk=32, lookup_rows=32, preset="robust").lookup_rows == 32
   assert sj.cache_config("specache", preset="robust", candidates=2, lowbit_in_output=True).candidates == 2
   assert sj.cache_config("specache", bits=1, preset="faithful") == sj.cache_config("specache", bits=1)
   with pytest.raises(sj.ConfigError, match=r"preset='fast' is not a SpeCache preset.*faithful.*robust"):
@@ -298,7 +299,7 @@ def test_a_preset_label_goes_stale_when_the_preset_is_redefined(monkeypatch):
   before = methods.settings_fingerprint_parts(config, "r")
   assert before["preset_settings"]["bits"] == 1 and "preset_settings" not in methods.settings_fingerprint_parts(
       config, "f")
-  monkeypatch.setitem(sc.PRESETS, "robust", lambda topk: dict(candidates=2))
+  monkeypatch.setitem(sc.PRESETS, "robust", lambda settings: dict(candidates=2))
   after = methods.settings_fingerprint_parts(config, "r")
   assert after["preset_settings"]["candidates"] == 2 and after != before
 

@@ -43,22 +43,32 @@ HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit 
 CANDIDATE_MERGES = ("max", "mean")               # how several speculative rows' probabilities combine
 SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit copy scores with (score_levels)
 
-# Named settings (`cache_config("specache", preset=...)`), each a function of the k rows fetched:
+# Named settings (`cache_config("specache", preset=...)`), each a function of the settings given (which win over
+# it):
 #   faithful  the paper's method: every robust-speculation option off (the defaults);
 #   robust    the best combination measured (README, results/speculation: SmolLM2-135M, 1-bit): 3 speculative
-#             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False, and prompt lookup (lookup=3:
-#             a looked-up guess; lookup_rows=k: while the output repeats 3 tokens of the context, κ is the rows
-#             around where they occurred). NIAH 15/15 + 14/15 of a 2nd needle (full 15 + 14; without lookup
-#             13 + 10; faithful 0), RULER 30.4 (full 36.2; without lookup 24.7), 0.8% of (layer, KV head) fetches
-#             on the critical path; but 4k-8k perplexity +37% over full (without lookup +9%: prose repeats anchor
-#             too; with anchor_match=6, lookup=8 +10% and RULER 26.1, NIAH unchanged). Its cost: 2 more query
-#             rows per step, a host sync per step, 4 bytes per token of ids; offloaded at 4k, B=1: README.
-#             Earlier robust presets: the labels specache_1bit_skiphedgedrift and (before lookup)
-#             specache_1bit_cand3eom_fetched_scoreonly.
+#             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False, prompt lookup (lookup=3: a
+#             looked-up guess; lookup_rows: while the output repeats 3 tokens of the context, κ takes the rows
+#             around where they occurred) and κ of k = 128 rows (device bytes 0.118x the full cache's at 8k, bf16),
+#             at most k/2 of them around anchors, so the scored rows keep at least 64. Measured: 4k-8k perplexity
+#             1.057x full, RULER 35.8 (full 36.2), NIAH 48 of the 54 cells full gets over 4 needles (k = 64 with
+#             anchors taking all of it: 50, but RULER 30.4 and perplexity 1.37x), 0.4% of (layer, KV head) fetches
+#             on the critical path. Its cost: 2 more query rows per step, a host sync per step, 4 bytes per token
+#             of ids, twice the faithful method's rows moved per step; offloaded at 4k: README.
+#             Earlier robust presets: the labels specache_1bit_robust_k64, specache_1bit_cand3eom_fetched_scoreonly
+#             (before lookup) and specache_1bit_skiphedgedrift.
+ROBUST_TOPK = 128
+
+
+def _robust(settings: dict) -> dict:
+  topk = settings.get("topk", ROBUST_TOPK)
+  return dict(candidates=3, exact_on_miss=True, correct_with_fetched=True, lowbit_in_output=False, lookup=3,
+              topk=topk, lookup_rows=topk // 2)
+
+
 PRESETS = {
-    "faithful": lambda topk: {},
-    "robust": lambda topk: dict(candidates=3, exact_on_miss=True, correct_with_fetched=True,
-                                lowbit_in_output=False, lookup=3, lookup_rows=topk),
+    "faithful": lambda settings: {},
+    "robust": _robust,
 }
 
 
@@ -190,7 +200,7 @@ class SpeCacheConfig(CacheConfig):
     """`cache_config("specache", preset=...)`: PRESETS[preset] under the given settings (which win)."""
     if preset not in PRESETS:
       raise ConfigError(f"preset={preset!r} is not a SpeCache preset; expected one of {tuple(PRESETS)}")
-    return {**PRESETS[preset](settings.get("topk", cls.topk)), **settings}
+    return {**PRESETS[preset](settings), **settings}
 
   @property
   def lookup_ngram(self) -> int:

@@ -121,8 +121,10 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
-      "specache_1bit_robust": dict(base, preset="robust"),   # 3 candidates + exact_on_miss + correct_with_fetched +
-                                                             # lowbit_in_output=False + lookup=3, lookup_rows=k/2
+      # the preset (caches/specache.py): its own k (128, half of it for anchors), not the paper's 64
+      "specache_1bit_robust": dict({k: v for k, v in base.items() if k != "topk"}, preset="robust"),
+      # the preset until anchors kept half of κ for the scores: k = 64, all of it for anchors
+      "specache_1bit_robust_k64": dict(base, preset="robust", lookup_rows=64),
       "specache_1bit_skiphedgedrift": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
       "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
       "specache_1bit_cand3": dict(base, candidates=3),
@@ -157,14 +159,11 @@ def robust() -> dict[str, dict[str, Any]]:
       # prompt lookup (history.py), which the robust preset now has: the token after the last tokens' latest
       # earlier occurrence as a guess only (no anchored rows)
       "specache_1bit_robust_lookup": dict(former, lookup=3),
-      # anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
-      "specache_1bit_robust_match4": dict(base, preset="robust", lookup=8, anchor_match=4),
+      # the k = 64 preset above with anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
+      "specache_1bit_robust_match4": dict(base, preset="robust", lookup_rows=64, lookup=8, anchor_match=4),
       # ... on repeats of 6+ (the last 3 steps' lookups were right: a copy in progress, not a common phrase)
-      "specache_1bit_robust_match6": dict(base, preset="robust", lookup=8, anchor_match=6),
-      # half of κ for the anchors (one 32-row window; the needle's rows fit one): the other 32 rows stay scored
+      "specache_1bit_robust_match6": dict(base, preset="robust", lookup_rows=64, lookup=8, anchor_match=6),
+      # ... with half of κ for the anchors (one 32-row window; the needle's rows fit one): 32 rows stay scored
       "specache_1bit_robust_r32": dict(base, preset="robust", lookup_rows=32),
       "specache_1bit_robust_r32m4": dict(base, preset="robust", lookup_rows=32, lookup=8, anchor_match=4),
-      # κ of 128 rows (device bytes 0.117x full, within the bar's 0.12): up to 64 around the anchors, the other 64
-      # (at least) scored as without lookup, so an anchor in prose no longer displaces the scored rows
-      "specache_1bit_robust_k128r64": dict(base, preset="robust", topk=128, lookup_rows=64),
   }
