@@ -163,8 +163,8 @@ def _markdown(rows, full_niah, full_ruler, full_ppl, full_step, faithful_step) -
   for r in rows:
     cells = [r["label"], f"{r['bytes_vs_full']:.3f}", _fmt(r.get("exact_hit"), ".3f"), _fmt(r.get("topk_hit"), ".3f"),
              _fmt(r.get("sync_fetch_rate"), ".1%"), f"{r['niah'][0]}/{r['niah'][1]}" if "niah" in r else "–",
-             _partial(r, "niah") or _fmt(r.get("niah_vs_full"), ".0%"), _partial(r, "ruler") or _fmt(r.get("ruler"), ".1f"),
-             _fmt(r.get("ruler_vs_full"), ".0%"),
+             _partial(r, "niah") or _fmt(r.get("niah_vs_full"), ".0%"),
+             _partial(r, "ruler") or _fmt(r.get("ruler"), ".1f"), _fmt(r.get("ruler_vs_full"), ".0%"),
              _fmt(r.get("ppl"), ".2f"), _fmt(r.get("ppl_vs_full"), ".2f"),
              _fmt(r.get("step_ms"), ".1f"), _fmt(r.get("step_vs_faithful"), ".2f"), "yes" if r["meets"] else "no"]
     lines.append("| " + " | ".join(cells) + " |")
