@@ -1,5 +1,5 @@
 """SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output,
-correct_with_fetched, one_bit="mean", score_levels, lookup, lookup_rows): exact with k >= n, offloaded = simulated,
+correct_with_fetched, one_bit="mean", score_levels, lookup, lookup_rows, exact_ring): exact with k >= n, offloaded = simulated,
 what each selects, how often drift fetches on the critical path, what the candidate rows see, how the next guesses
 are chosen, what enters the output (lookup's own tests: tests/test_history.py)."""
 import dataclasses
@@ -39,10 +39,13 @@ OPTIONS = {
     "lookup_rows": dict(lookup=2, lookup_rows=3),
     "lookup_rows_robust": dict(lookup=2, lookup_rows=2, candidates=2, exact_on_miss=True, correct_with_fetched=True,
                                lowbit_in_output=False),
+    "exact_ring": dict(exact_ring=True),
+    "exact_ring_robust": dict(exact_ring=True, skip_ring=True, lookup=2, lookup_rows=2, candidates=2,
+                              exact_on_miss=True, correct_with_fetched=True, lowbit_in_output=False),
 }
 # Offloaded = simulated (the slowest check): the combinations that hold every option at least once (CI time)
 OFFLOADED = ("all", "candidates_mean", "lowbit_out_eom_cand", "eom_with_fetched", "drift_with_fetched_cand",
-             "mean_rule", "range_scores_eom", "lookup", "lookup_rows_robust")
+             "mean_rule", "range_scores_eom", "lookup", "lookup_rows_robust", "exact_ring_robust")
 
 
 def _model():
@@ -129,6 +132,30 @@ def test_without_lowbit_in_output_the_low_bit_values_never_reach_the_output_and_
     np.testing.assert_allclose(np.asarray(out_v), np.asarray(out), rtol=1e-6, atol=1e-6)
   _, st1_k, _ = sc.attend(method, st.replace(low=keys_), q, k, v, cache.lengths)
   assert not np.array_equal(np.asarray(st1.kappa), np.asarray(st1_k.kappa))
+
+
+@pytest.mark.parametrize("exact_ring", [False, True])
+def test_exact_ring_reads_the_rings_16_bit_keys_where_kivis_rule_reads_its_last_windows_low_bit_ones(exact_ring):
+  """37 stored tokens, R = g = 8: the ring holds positions 29..36, of which 29..31 are in the last quantized key
+  window. With the low-bit copy out of the output, scrambling the low-bit keys (codes, scales, zeros) changes the
+  step's output only by KIVI's rule (those three ring columns' keys); with exact_ring the output reads the ring's
+  16-bit keys and is unchanged, and κ_{t+1} (chosen from the low-bit scores) is neither in the ring nor ≥ n."""
+  method = sj.cache_config("specache", topk=5, lowbit_in_output=False, skip_ring=True, exact_ring=exact_ring,
+                           **BASE)
+  cache, st, (q, k, v), keys = _layer0_step_inputs(method, seed=7, n_keys=6)
+  codes = lambda key, a: jax.random.randint(key, a.shape, 0, 256).astype(a.dtype)
+  low = st.low
+  scrambled = low.replace(k_codes=codes(keys[3], low.k_codes), k_scale=jax.random.uniform(keys[4], low.k_scale.shape),
+                          k_zero=jax.random.normal(keys[5], low.k_zero.shape))
+  out, st1, _ = sc.attend(method, st, q, k, v, cache.lengths)
+  out_s, _, _ = sc.attend(method, st.replace(low=scrambled), q, k, v, cache.lengths)
+  if exact_ring:
+    np.testing.assert_allclose(np.asarray(out_s), np.asarray(out), rtol=1e-6, atol=1e-6)
+  else:
+    assert float(jnp.max(jnp.abs(out - out_s))) > 1e-3
+  n = int(cache.lengths[0])
+  ring_from = n + 1 - BASE["residual"] if exact_ring else (n + 1) // BASE["residual"] * BASE["residual"]
+  assert int(jnp.max(st1.kappa)) < ring_from
 
 
 def test_range_score_levels_choose_kappa_as_keys_quantized_with_kivis_levels_would():

@@ -40,7 +40,7 @@ def hit_stats(method, st, q, lengths, kappa_used):
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
-  key_qlen, _ = lowbit.boundaries(lengths, method.residual)
+  key_qlen = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
   fetched = jax.vmap(jax.vmap(lambda i: jnp.zeros((s + 1,), bool).at[i].set(True)))(
       jnp.where(valid & (kappa_used >= 0), kappa_used, s))[..., :s]         # [B, K, S]
   low = (jnp.arange(s)[None, None, :] < key_qlen[:, None, None]) & ~fetched

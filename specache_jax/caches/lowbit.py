@@ -36,6 +36,14 @@ def boundaries(lengths_B, residual: int):
   return (lengths_B // residual) * residual, jnp.maximum(lengths_B - residual, 0)
 
 
+def sixteen_bit_from(lengths_B, residual: int, exact_ring: bool = False):
+  """[B]: the first position an attend after lengths_B stored tokens reads in 16-bit from the ring, keys and
+  values: key_qlen by KIVI's rule (the ring's slots below it are read with their windows' low-bit keys), or
+  with exact_ring the ring's first position, val_qlen (`ring_segment(exact_keys=True)`)."""
+  key_qlen, val_qlen = boundaries(lengths_B, residual)
+  return val_qlen if exact_ring else key_qlen
+
+
 def round_slots(max_len: int, residual: int) -> int:
   return -(-max_len // residual) * residual
 
@@ -180,16 +188,19 @@ def dequantized(st: LowBit, *, bits, group_size, dtype=jnp.float32):
   return keys, values
 
 
-def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp.float32):
+def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp.float32, exact_keys=False):
   """The ring as attention columns: (keys [B,K,R,H], values [B,K,R,H], positions [B,K,R]).
 
   A ring slot whose position is below key_qlen has a quantized key (KIVI's rule), so its key column is the
   dequantized low-bit key (row s of the last flushed window; garbage in slots without a position); above it, the
-  16-bit ring key (`cpu_kernels.ring_keys`: a kernel on XLA:CPU beside its jnp reference). Values are always the
-  16-bit ring values.
+  16-bit ring key (`cpu_kernels.ring_keys`: a kernel on XLA:CPU beside its jnp reference). exact_keys: every
+  slot's 16-bit ring key (the ring holds the last R positions' keys whether or not their window was quantized;
+  SpeCache's `exact_ring`). Values are always the 16-bit ring values.
   """
   b, n_kv = st.ring_k.shape[:2]
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
+  if exact_keys:
+    return st.ring_k.astype(dtype), st.ring_v, pos
   keys = cpu_ring.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
                             group_size=group_size, dtype=dtype)
   return keys, st.ring_v, pos

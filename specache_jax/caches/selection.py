@@ -16,8 +16,8 @@ from specache_jax.cpu_kernels import select as cpu_select
 
 def candidates(method, n_B):
   """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
-  those below the ring's 16-bit keys (`lowbit.boundaries`' key_qlen), which that attend never reads from κ."""
-  return lowbit.boundaries(n_B, method.residual)[0] if method.skip_ring else n_B
+  those below the ring's 16-bit columns (`lowbit.sixteen_bit_from`), which that attend never reads from κ."""
+  return lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring) if method.skip_ring else n_B
 
 
 def select(method, probs_BKS, n_B):
@@ -47,8 +47,8 @@ ANCHOR_WINDOW = 32   # positions around one anchor, half of them before it: the 
 def anchored(scores: Scores, anchors_BA, rows: int, key_qlen_B, window: int = ANCHOR_WINDOW) -> Scores:
   """`scores` with at most `rows` positions around the anchors [B, A] (`history.anchors`; negative: none)
   raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. Each
-  anchor has a `window` of positions, half before it; of those whose keys the device holds only in low bits
-  (below key_qlen_B [B], `lowbit.boundaries`), the `rows` nearest to their anchor are taken (ties: the earlier
+  anchor has a `window` of positions, half before it; of those the attend reads only in low bits (below
+  key_qlen_B [B], `lowbit.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
   anchor first). One anchor gets its window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]

@@ -121,6 +121,11 @@ class SpeCacheConfig(CacheConfig):
   correct_with_fetched: bool = False  # a synchronous κ_t choice (exact_on_miss, drift, non-speculative) scores the
                                 # rows already on the device (the prefetched κ_t, or the last step's) in 16-bit and
                                 # the rest low-bit, instead of every row low-bit. Same bytes
+  exact_ring: bool = False      # the ring's columns read its 16-bit keys at every slot: by KIVI's rule (off) the
+                                # slots of the last quantized window read their low-bit keys although the ring
+                                # holds their 16-bit keys on the device (g = R: right after a flush, the last R
+                                # tokens, e.g. a prompt's question); κ and the anchors then skip the whole ring.
+                                # Same bytes
   score_levels: str = "stored"  # "range": where the low-bit copy only scores (lowbit_in_output=False; a synchronous
                                 # κ_t choice), its 1-bit keys score at their groups' min/max (KIVI's levels, from
                                 # the stored scale and zero: quant.range_levels) instead of the stored levels; the
@@ -177,6 +182,8 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"candidate_merge={self.candidate_merge!r} must be one of {CANDIDATE_MERGES}")
     if not isinstance(self.lowbit_in_output, bool):
       raise ConfigError(f"lowbit_in_output={self.lowbit_in_output!r} must be a bool")
+    if not isinstance(self.exact_ring, bool):
+      raise ConfigError(f"exact_ring={self.exact_ring!r} must be a bool")
     if not isinstance(self.correct_with_fetched, bool):
       raise ConfigError(f"correct_with_fetched={self.correct_with_fetched!r} must be a bool")
     if self.score_levels not in SCORE_LEVELS:
@@ -337,17 +344,18 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   leaves the low-bit copy out): the low-bit keys score at `score_levels`."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
-  key_qlen, val_qlen = lowbit.boundaries(lengths, method.residual)
+  _, val_qlen = lowbit.boundaries(lengths, method.residual)
+  exact_from = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
   s = st.low.k_codes.shape[2]
   kappa = st.kappa
   x = kappa.shape[-1]
   if use_kappa and x:
-    kap_use = (kappa < key_qlen[:, None, None]) & (kappa >= 0)           # else the ring has it in 16-bit
+    kap_use = (kappa < exact_from[:, None, None]) & (kappa >= 0)         # else the ring has it in 16-bit
   else:
     kap_use = jnp.zeros(kappa.shape, bool)
   kap_set = jnp.where(kap_use, kappa, -2)
   ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=method.bits, group_size=method.group_size,
-                                                 residual=method.residual)
+                                                 residual=method.residual, exact_keys=method.exact_ring)
   ring_ok = (ring_pos >= 0) & ~membership(ring_pos, kap_set)             # [B, K, R]
   kap_mask = jnp.broadcast_to(kap_use[:, :, None, :], (b, n_kv, t, x))
   ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, method.residual))
@@ -360,7 +368,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     low = low.replace(**dict(zip(("k_scale", "k_zero"), quant.range_levels(low.k_scale, low.k_zero, method.bits,
                                                                             method.one_bit))))
     score_ring_k = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,
-                                       residual=method.residual)[0]
+                                       residual=method.residual, exact_keys=method.exact_ring)[0]
 
   def jnp_attention():
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
@@ -464,7 +472,7 @@ def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: 
   n_B stored tokens (below its ring)."""
   if not method.lookup_rows:
     return probs
-  key_qlen = lowbit.boundaries(n_B, method.residual)[0]
+  key_qlen = lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring)
   return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, key_qlen)
 
 

@@ -166,4 +166,8 @@ def robust() -> dict[str, dict[str, Any]]:
       # ... with half of κ for the anchors (one 32-row window; the needle's rows fit one): 32 rows stay scored
       "specache_1bit_robust_r32": dict(base, preset="robust", lookup_rows=32),
       "specache_1bit_robust_r32m4": dict(base, preset="robust", lookup_rows=32, lookup=8, anchor_match=4),
+      # the preset reading the ring's 16-bit keys at every slot (KIVI's rule reads the last quantized window's
+      # low-bit keys: right after a flush, the prompt's question), κ's rows and anchors outside the ring
+      "specache_1bit_robust_exactring": dict({k: v for k, v in base.items() if k != "topk"}, preset="robust",
+                                             exact_ring=True, skip_ring=True),
   }
