@@ -1,7 +1,7 @@
 """SpeCache's robust-speculation options (skip_ring, hedge, hedge_shift, drift, candidates, lowbit_in_output,
-correct_with_fetched, one_bit="mean", score_levels, lookup, lookup_rows, exact_ring): exact with k >= n, offloaded = simulated,
-what each selects, how often drift fetches on the critical path, what the candidate rows see, how the next guesses
-are chosen, what enters the output (lookup's own tests: tests/test_history.py)."""
+correct_with_fetched, one_bit="mean", score_levels, lookup, lookup_rows, exact_ring): exact with k >= n, offloaded =
+simulated, what each selects, how often drift fetches on the critical path, what the candidate rows see, how the
+next guesses are chosen, what enters the output (lookup's own tests: tests/test_history.py)."""
 import dataclasses
 
 import jax
@@ -282,6 +282,7 @@ def test_default_state_carries_no_speculative_query():
     (dict(candidates=2, attention_impl="pallas"), "candidates=2 needs attention_impl='jnp'"),
     (dict(candidates=2, candidate_merge="sum"), "candidate_merge='sum' must be one of"),
     (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool"),
+    (dict(exact_ring=1), "exact_ring=1 must be a bool"),
     (dict(correct_with_fetched=1, exact_on_miss=True), "correct_with_fetched=1 must be a bool"),
     (dict(correct_with_fetched=True), "needs exact_on_miss=True, drift > 0 or speculative=False"),
     (dict(score_levels="minmax", lowbit_in_output=False), "score_levels='minmax' must be one of"),
@@ -304,7 +305,8 @@ def test_presets_name_settings_that_explicit_ones_override():
   assert (robust.candidates, robust.exact_on_miss, robust.correct_with_fetched, robust.lowbit_in_output) == (
       3, True, True, False)
   assert (robust.lookup, robust.topk, robust.lookup_rows) == (3, 128, 64)    # its own k, half of it for anchors
-  assert robust.bits == 1 and not (robust.skip_ring or robust.hedge or robust.drift)
+  assert robust.exact_ring and robust.skip_ring                             # the ring in 16-bit, κ outside it
+  assert robust.bits == 1 and not (robust.hedge or robust.drift)
   k32 = sj.cache_config("specache", bits=1, topk=32, preset="robust")
   assert (k32.topk, k32.lookup_rows) == (32, 16)                            # a k given: still half
   assert sj.cache_config("specache", bits=1, topk=32, lookup_rows=32, preset="robust").lookup_rows == 32

@@ -49,21 +49,22 @@ SCORE_LEVELS = ("stored", "range")               # the key levels the low-bit co
 #   robust    the best combination measured (README, results/speculation: SmolLM2-135M, 1-bit): 3 speculative
 #             candidates, exact_on_miss, correct_with_fetched, lowbit_in_output=False, prompt lookup (lookup=3: a
 #             looked-up guess; lookup_rows: while the output repeats 3 tokens of the context, κ takes the rows
-#             around where they occurred) and κ of k = 128 rows (device bytes 0.118x the full cache's at 8k, bf16),
-#             at most k/2 of them around anchors, so the scored rows keep at least 64. Measured: 4k-8k perplexity
-#             1.057x full, RULER 35.8 (full 36.2), NIAH 48 of the 54 cells full gets over 4 needles (k = 64 with
-#             anchors taking all of it: 50, but RULER 30.4 and perplexity 1.37x), 0.4% of (layer, KV head) fetches
-#             on the critical path. Its cost: 2 more query rows per step, a host sync per step, 4 bytes per token
-#             of ids, twice the faithful method's rows moved per step; offloaded at 4k: README.
-#             Earlier robust presets: the labels specache_1bit_robust_k64, specache_1bit_cand3eom_fetched_scoreonly
-#             (before lookup) and specache_1bit_skiphedgedrift.
+#             around where they occurred), κ of k = 128 rows (device bytes 0.118x the full cache's at 8k, bf16),
+#             at most k/2 of them around anchors, so the scored rows keep at least 64, and the ring read with its
+#             16-bit keys (exact_ring; κ outside it: skip_ring). Measured: 4k-8k perplexity 1.042x full, RULER 35.8
+#             (full 36.2), NIAH 52 of the 54 cells full gets over 4 needles, no (layer, KV head) fetch on the
+#             critical path in the hit-rate run (issue 14's bar: met). Its cost: 2 more query rows per step, a host
+#             sync per step, 4 bytes per token of ids, twice the faithful method's rows moved per step; offloaded
+#             at 4k: README. Earlier robust presets: the labels specache_1bit_robust_kiviring (before exact_ring),
+#             specache_1bit_robust_k64, specache_1bit_cand3eom_fetched_scoreonly (before lookup) and
+#             specache_1bit_skiphedgedrift.
 ROBUST_TOPK = 128
 
 
 def _robust(settings: dict) -> dict:
   topk = settings.get("topk", ROBUST_TOPK)
   return dict(candidates=3, exact_on_miss=True, correct_with_fetched=True, lowbit_in_output=False, lookup=3,
-              topk=topk, lookup_rows=topk // 2)
+              topk=topk, lookup_rows=topk // 2, exact_ring=True, skip_ring=True)
 
 
 PRESETS = {

@@ -113,6 +113,8 @@ def robust() -> dict[str, dict[str, Any]]:
   # the robust preset before prompt lookup (its cells' label until then: specache_1bit_robust); the robust_*
   # variants below are that combination with one change
   former = dict(base, candidates=3, exact_on_miss=True, correct_with_fetched=True, lowbit_in_output=False)
+  # the preset with KIVI's rule for the ring's keys (before exact_ring): its earlier labels below pin it
+  kivi_ring = dict(preset="robust", exact_ring=False, skip_ring=False)
   return {
       "specache_1bit_eom": dict(base, exact_on_miss=True),                      # refetch after a wrong token
       "specache_1bit_nonspec": dict(base, speculative=False),                   # κ_t from T_t, always on the path
@@ -123,8 +125,11 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
       # the preset (caches/specache.py): its own k (128, half of it for anchors), not the paper's 64
       "specache_1bit_robust": dict({k: v for k, v in base.items() if k != "topk"}, preset="robust"),
+      # the preset until it read the ring's 16-bit keys (exact_ring, skip_ring): the ring's last quantized
+      # window scored and attended with its low-bit keys (KIVI's rule)
+      "specache_1bit_robust_kiviring": dict({k: v for k, v in base.items() if k != "topk"}, **kivi_ring),
       # the preset until anchors kept half of κ for the scores: k = 64, all of it for anchors
-      "specache_1bit_robust_k64": dict(base, preset="robust", lookup_rows=64),
+      "specache_1bit_robust_k64": dict(base, **kivi_ring, lookup_rows=64),
       "specache_1bit_skiphedgedrift": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
       "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
       "specache_1bit_cand3": dict(base, candidates=3),
@@ -160,14 +165,10 @@ def robust() -> dict[str, dict[str, Any]]:
       # earlier occurrence as a guess only (no anchored rows)
       "specache_1bit_robust_lookup": dict(former, lookup=3),
       # the k = 64 preset above with anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
-      "specache_1bit_robust_match4": dict(base, preset="robust", lookup_rows=64, lookup=8, anchor_match=4),
+      "specache_1bit_robust_match4": dict(base, **kivi_ring, lookup_rows=64, lookup=8, anchor_match=4),
       # ... on repeats of 6+ (the last 3 steps' lookups were right: a copy in progress, not a common phrase)
-      "specache_1bit_robust_match6": dict(base, preset="robust", lookup_rows=64, lookup=8, anchor_match=6),
+      "specache_1bit_robust_match6": dict(base, **kivi_ring, lookup_rows=64, lookup=8, anchor_match=6),
       # ... with half of κ for the anchors (one 32-row window; the needle's rows fit one): 32 rows stay scored
-      "specache_1bit_robust_r32": dict(base, preset="robust", lookup_rows=32),
-      "specache_1bit_robust_r32m4": dict(base, preset="robust", lookup_rows=32, lookup=8, anchor_match=4),
-      # the preset reading the ring's 16-bit keys at every slot (KIVI's rule reads the last quantized window's
-      # low-bit keys: right after a flush, the prompt's question), κ's rows and anchors outside the ring
-      "specache_1bit_robust_exactring": dict({k: v for k, v in base.items() if k != "topk"}, preset="robust",
-                                             exact_ring=True, skip_ring=True),
+      "specache_1bit_robust_r32": dict(base, **kivi_ring, lookup_rows=32),
+      "specache_1bit_robust_r32m4": dict(base, **kivi_ring, lookup_rows=32, lookup=8, anchor_match=4),
   }
