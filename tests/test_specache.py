@@ -167,10 +167,12 @@ def test_topk_larger_than_the_cache_fails_before_compiling():
                 cache=sj.cache_config("specache", group_size=8, residual=8, topk=1000))
 
 
-def test_pallas_interpret_attention_gives_the_same_tokens_as_jnp():
+@pytest.mark.parametrize("options", [{}, dict(exact_ring=True, skip_ring=True)])
+def test_pallas_interpret_attention_gives_the_same_tokens_as_jnp(options):
+  """The GPU kernel's contract (interpreted) against the jnp/CPU path; exact_ring hands it the ring's 16-bit keys."""
   model = _model()
   prompts = random_prompts(9, [22, 37], model.config.vocab_size)
-  kw = dict(bits=2, group_size=8, residual=8, topk=4)
+  kw = dict(bits=2, group_size=8, residual=8, topk=4, **options)
   ref = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=(),
                     cache=sj.cache_config("specache", **kw))
   got = sj.generate(model, prompts, max_new_tokens=10, stop_tokens=(),
