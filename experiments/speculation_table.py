@@ -15,7 +15,8 @@ from specache_jax.experiments_lib.store import atomic_write_json, atomic_write_t
 _HITRATE = flags.DEFINE_string("hitrate", "results/speculation/hitrate/results.json", "experiments.hitrate store")
 _NIAH = flags.DEFINE_string("niah", "results/speculation/niah/results.json", "experiments.niah store (the grid)")
 _RULER = flags.DEFINE_string("ruler", "results/ruler_robust/results.json", "experiments.ruler store")
-_STEPS = flags.DEFINE_string("steps", "results/speculation/steps_cpu.json", "peer_bench.py:robust's JSON")
+_STEPS = flags.DEFINE_list("steps", ["results/speculation/steps_cpu.json"],
+                           "peer_bench.py:robust's JSON, or several runs (a label: its first run's step)")
 _PPL = flags.DEFINE_string("perplexity", "results/speculation/perplexity/results.json",
                            "experiments.perplexity store (configs/perplexity.py:long)")
 _OUT = flags.DEFINE_string("out", "results/speculation", "writes summary.md and table.json here")
@@ -27,7 +28,8 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   command = " ".join(["python -m experiments.speculation_table", *sys.argv[1:]])
-  sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{_STEPS.value}`, `{_PPL.value}` "
+  steps = "`, `".join(_STEPS.value)
+  sources = (f"Sources: `{_HITRATE.value}`, `{_NIAH.value}`, `{_RULER.value}`, `{steps}`, `{_PPL.value}` "
              "(each written by its experiment; its own summary.md gives the command).")
   atomic_write_text(out / "summary.md", f"# Robust speculation: the ablation table\n\nReproduce:\n\n```bash\n"
                     f"{command}\n```\n\n{sources}\n\n{md}")

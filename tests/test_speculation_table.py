@@ -92,3 +92,25 @@ def test_a_run_still_going_is_partial_not_its_average_so_far(tmp_path):
 def test_missing_stores_give_no_rows(tmp_path):
   rows, md = speculation.table(*(tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json", "e.json")))
   assert rows == [] and md.startswith("| SpeCache 1-bit |")
+
+
+def test_steps_from_several_runs_are_each_taken_against_their_own_runs_faithful_step(tmp_path):
+  """A label takes its first run's step and that run's faithful step as its base; the runs are named under the
+  table; runs at different contexts or batches do not share the column."""
+  hit, niah, ruler, steps, ppl = _stores(tmp_path)
+  later = tmp_path / "steps2.json"
+  later.write_text(json.dumps({"cells": [{"context": 4096, "batch": 1, "methods": {
+      "specache_1bit_offload": {"step_s": 0.08}, "specache_1bit_eom_offload": {"step_s": 0.9},
+      "specache_1bit_robust_offload": {"step_s": 0.12}}}]}))
+  rows, md = speculation.table(hit, niah, ruler, [steps, later], ppl)
+  by = {r["label"]: r for r in rows}
+  assert by["specache_1bit_eom"]["step_vs_faithful"] == pytest.approx(1.25)       # the first run's, not 0.9 / 0.08
+  assert by["specache_1bit_robust"]["step_ms"] == pytest.approx(120.0)
+  assert by["specache_1bit_robust"]["step_vs_faithful"] == pytest.approx(1.5)      # against its own run's 0.08
+  assert f"`{later}`: specache_1bit_robust" in md and "Offloaded steps from several runs" in md
+  _, md_one = speculation.table(hit, niah, ruler, steps, ppl)
+  assert "several runs" not in md_one
+  later.write_text(json.dumps({"cells": [{"context": 8192, "batch": 1, "methods": {
+      "specache_1bit_offload": {"step_s": 0.08}}}]}))
+  with pytest.raises(ValueError, match=r"several \(context, batch\) cells \[\(4096, 1\), \(8192, 1\)\]"):
+    speculation.table(hit, niah, ruler, [steps, later], ppl)

@@ -4,7 +4,9 @@ experiments wrote (nothing is recomputed):
   hit rates, synchronous fetches   experiments.hitrate      (results/speculation/hitrate/results.json)
   NIAH grid                        experiments.niah         (results/speculation/niah/results.json)
   RULER CPU suite                  experiments.ruler        (results/ruler_robust/results.json)
-  offloaded step time              experiments.peer_bench   (configs/peer_bench.py:robust -> steps_cpu.json)
+  offloaded step time              experiments.peer_bench   (configs/peer_bench.py:robust -> steps_*.json, one or
+                                                            several runs, each label's ratio to the faithful step
+                                                            of its own run)
   perplexity 4k-8k                 experiments.perplexity   (results/speculation/perplexity/results.json, :long)
   device bytes                     the method's state shapes (`budget.device_bytes_at`, bf16, SmolLM2's shape)
 
@@ -74,14 +76,28 @@ def perplexity_rows(path, bucket: str = PPL_BUCKET) -> dict[str, float]:
   return {label: math.exp(s / n) for label, (s, n) in sums.items()}
 
 
-def step_rows(path) -> dict[str, dict]:
-  """label (without `_offload`) -> its cell record (ms per step at the run's one context and batch)."""
-  path = pathlib.Path(path)
-  if not path.exists():
-    return {}
-  cells = [c for c in json.loads(path.read_text())["cells"] if "methods" in c]
-  return {label.removesuffix("_offload"): dict(rec, context=c["context"], batch=c["batch"])
-          for c in cells for label, rec in c["methods"].items() if rec.get("step_s")}
+def step_rows(paths) -> dict[str, dict]:
+  """label (without `_offload`) -> its cell record (ms per step at the run's one context and batch), with the run it
+  came from (`source`) and that run's faithful step (`faithful_s`; None if the run has none). `paths`: one
+  peer_bench JSON or several runs; a label takes its first run's cell, and every run must be at one context and
+  batch (a column of the table)."""
+  out: dict[str, dict] = {}
+  shapes = set()
+  for path in [paths] if isinstance(paths, (str, pathlib.Path)) else paths:
+    path = pathlib.Path(path)
+    if not path.exists():
+      continue
+    cells = [c for c in json.loads(path.read_text())["cells"] if "methods" in c]
+    run = {label.removesuffix("_offload"): dict(rec, context=c["context"], batch=c["batch"], source=str(path))
+           for c in cells for label, rec in c["methods"].items() if rec.get("step_s")}
+    shapes |= {(r["context"], r["batch"]) for r in run.values()}
+    faithful_s = run.get(FAITHFUL, {}).get("step_s")
+    for label, rec in run.items():
+      out.setdefault(label, dict(rec, faithful_s=faithful_s))
+  if len(shapes) > 1:
+    raise ValueError(f"the offloaded-step runs {paths} are at several (context, batch) cells {sorted(shapes)}; the "
+                     "table's step column takes one")
+  return out
 
 
 def device_bytes(spec: dict, context: int = 8192, shape: str = "smollm2-135m") -> int:
@@ -92,14 +108,14 @@ def device_bytes(spec: dict, context: int = 8192, shape: str = "smollm2-135m") -
 
 
 def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> tuple[list[dict], str]:
-  """(rows, markdown) for every SpeCache 1-bit label some store holds, the faithful one first."""
+  """(rows, markdown) for every SpeCache 1-bit label some store holds, the faithful one first. steps_path: one
+  peer_bench JSON or a sequence of them (`step_rows`)."""
   specs = dict(methods.standard(), **methods.robust())
   hit, niah, ruler, steps, ppl = (hitrate_rows(hitrate_path), niah_rows(niah_path), ruler_rows(ruler_path),
                                   step_rows(steps_path), perplexity_rows(perplexity_path))
   labels = [l for l in specs if l.startswith(FAITHFUL) and any(l in d for d in (hit, niah, ruler, steps, ppl))]
   full_niah = niah.get(FULL, {})
   full_ruler = float(np.mean(list(ruler[FULL].values()))) if ruler.get(FULL) else None
-  base_step = steps.get(FAITHFUL, {}).get("step_s")
   full_bytes = device_bytes(specs[FULL])
   rows = []
   for label in labels:
@@ -132,12 +148,26 @@ def table(hitrate_path, niah_path, ruler_path, steps_path, perplexity_path) -> t
       r["ppl"] = ppl[label]
       r["ppl_vs_full"] = ppl[label] / ppl[FULL] if FULL in ppl else None
     if label in steps:
+      base_step = steps[label]["faithful_s"]
       r["step_ms"] = 1e3 * steps[label]["step_s"]
       r["step_vs_faithful"] = steps[label]["step_s"] / base_step if base_step else None
+      r["step_source"] = steps[label]["source"]
     r["meets"] = (all(r.get(k) is not None and r[k] <= v for k, v in AT_MOST.items())
                   and all(r.get(k) is not None and r[k] >= v for k, v in AT_LEAST.items()))
     rows.append(r)
   return rows, _markdown(rows, niah.get(FULL), full_ruler, ppl.get(FULL), steps.get(FULL), steps.get(FAITHFUL))
+
+
+def _step_sources(rows) -> str:
+  """Which run each row's offloaded step comes from, where they come from more than one."""
+  runs: dict[str, list[str]] = {}
+  for r in rows:
+    if "step_source" in r:
+      runs.setdefault(r["step_source"], []).append(r["label"])
+  if len(runs) < 2:
+    return ""
+  return (" Offloaded steps from several runs (each × its own run's faithful step): " +
+          "; ".join(f"`{src}`: {', '.join(labels)}" for src, labels in runs.items()) + ".")
 
 
 def _fmt(v, spec: str) -> str:
@@ -176,4 +206,4 @@ def _markdown(rows, full_niah, full_ruler, full_ppl, full_step, faithful_step) -
          "layer-steps (here: of (layer, KV head) fetches), NIAH ≥ {niah_vs_full:.0%} and RULER ≥ {ruler_vs_full:.0%} "
          "of the full cache's, perplexity over positions {bucket} ≤ {ppl_vs_full:.2f}× the full cache's.").format(
              bucket=PPL_BUCKET, **LIMITS)
-  return "\n".join(lines) + "\n\n" + "; ".join(ref) + ". " + bar + "\n"
+  return "\n".join(lines) + "\n\n" + "; ".join(ref) + ". " + bar + _step_sources(rows) + "\n"
