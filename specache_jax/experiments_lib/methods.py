@@ -119,6 +119,7 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_eom": dict(base, exact_on_miss=True),                      # refetch after a wrong token
       "specache_1bit_nonspec": dict(base, speculative=False),                   # κ_t from T_t, always on the path
       "specache_1bit_skipring": dict(base, skip_ring=True),
+      "specache_1bit_exactring": dict(base, exact_ring=True, skip_ring=True),   # the ring's 16-bit keys, κ outside it
       "specache_1bit_hedge16": dict(base, hedge=16),                             # 16 of 64 rows from the real row
       "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
       "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
