@@ -40,10 +40,10 @@ def hit_stats(method, st, q, lengths, kappa_used):
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
-  key_qlen = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
+  low_below = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
   fetched = jax.vmap(jax.vmap(lambda i: jnp.zeros((s + 1,), bool).at[i].set(True)))(
       jnp.where(valid & (kappa_used >= 0), kappa_used, s))[..., :s]         # [B, K, S]
-  low = (jnp.arange(s)[None, None, :] < key_qlen[:, None, None]) & ~fetched
+  low = (jnp.arange(s)[None, None, :] < low_below[:, None, None]) & ~fetched
   stats = {"topk_hits": jnp.mean(hits / jnp.maximum(denom, 1.0), axis=1),
            "unfetched_mass": jnp.mean(jnp.sum(jnp.where(low, p, 0.0), axis=-1), axis=1)}
   if st.spec_q.shape[-1]:                                                  # kept: speculative

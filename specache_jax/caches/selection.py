@@ -44,11 +44,11 @@ ANCHOR_BOOST = 2.0   # added to an anchored position's score: above any probabil
 ANCHOR_WINDOW = 32   # positions around one anchor, half of them before it: the copied phrase's context and continuation
 
 
-def anchored(scores: Scores, anchors_BA, rows: int, key_qlen_B, window: int = ANCHOR_WINDOW) -> Scores:
+def anchored(scores: Scores, anchors_BA, rows: int, low_below_B, window: int = ANCHOR_WINDOW) -> Scores:
   """`scores` with at most `rows` positions around the anchors [B, A] (`history.anchors`; negative: none)
   raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. Each
   anchor has a `window` of positions, half before it; of those the attend reads only in low bits (below
-  key_qlen_B [B], `lowbit.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
+  low_below_B [B], `lowbit.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
   anchor first). One anchor gets its window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]
@@ -58,7 +58,7 @@ def anchored(scores: Scores, anchors_BA, rows: int, key_qlen_B, window: int = AN
   offset_W = jnp.arange(window, dtype=jnp.int32) - window // 2
   pos_BAW = anchors_BA[:, :, None] + offset_W[None, None, :]
   valid_BAW = ((anchors_BA[:, :, None] >= 0) & (pos_BAW >= 0)
-               & (pos_BAW < jnp.minimum(key_qlen_B, s)[:, None, None]))
+               & (pos_BAW < jnp.minimum(low_below_B, s)[:, None, None]))
   rank_AW = jnp.abs(offset_W)[None, :] * a + jnp.arange(a, dtype=jnp.int32)[:, None]     # nearer, then earlier
   none = -window * a - 1
   priority_BX = jnp.where(valid_BAW, -rank_AW[None], none).reshape(b, a * window)

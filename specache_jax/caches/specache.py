@@ -473,8 +473,8 @@ def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: 
   n_B stored tokens (below its ring)."""
   if not method.lookup_rows:
     return probs
-  key_qlen = lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring)
-  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, key_qlen)
+  low_below = lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring)
+  return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], method.lookup_rows, low_below)
 
 
 def _next_kappa(method: SpeCacheConfig, st: State, probs_BKRS: selection.Scores, lengths):
