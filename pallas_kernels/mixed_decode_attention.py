@@ -299,6 +299,12 @@ def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, 
   return out, jnp.mean(p_low, axis=2), jnp.mean(p_extra, axis=2)
 
 
+def check_lowbit_values(lowbit_values) -> None:
+  """A clear error unless `lowbit_values` is a bool."""
+  if not isinstance(lowbit_values, bool):
+    raise ValueError(f"lowbit_values={lowbit_values!r} must be a bool (False: the low-bit slots only score)")
+
+
 def check_prob_rows(prob_rows, t: int) -> int:
   """The rows whose probabilities come back: None (the last row's, [B, K, S]) or an int P in [1, T] (the last P
   rows', [B, K, P, S]; the XLA:CPU kernel and the reference) -> P."""
@@ -310,14 +316,18 @@ def check_prob_rows(prob_rows, t: int) -> int:
   return prob_rows
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block", "prob_rows"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block", "prob_rows",
+                                             "lowbit_values"))
 def mixed_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len,
                                      exclude, extra_k, extra_v, extra_mask, *, bits: int, group_size: int,
                                      sm_scale: float, interpret: bool = False,
-                                     block: MixedAttentionBlock | None = None, prob_rows: int | None = None):
-  """float32 jnp reference with the kernel's signature (`interpret` and `block` are ignored); `prob_rows` as the
-  XLA:CPU kernel's (`check_prob_rows`)."""
+                                     block: MixedAttentionBlock | None = None, prob_rows: int | None = None,
+                                     lowbit_values: bool = True):
+  """float32 jnp reference with the kernel's signature (`interpret` and `block` are ignored); `prob_rows` and
+  `lowbit_values` as the XLA:CPU kernel's (`check_prob_rows`; False: the low-bit slots only score, the output is
+  the softmax over the unmasked extra columns alone, 0 for a row without any)."""
   del interpret, block
+  check_lowbit_values(lowbit_values)
   p_rows = check_prob_rows(prob_rows, q.shape[1])
   b, t, n, h = q.shape
   kh, s = k_codes.shape[1], k_codes.shape[2]
@@ -344,8 +354,14 @@ def mixed_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_sca
   p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
   denom = jnp.sum(p, axis=-1, keepdims=True)
   probs = p / jnp.where(denom > 0, denom, 1.0)
-  values = jnp.concatenate([v_hat, ev], axis=2)                                   # [B, K, S+E, H]
-  out = jnp.einsum("bkgtc,bkch->btkgh", probs, values, precision=hi).reshape(b, t, n, h)
+  if lowbit_values:
+    values = jnp.concatenate([v_hat, ev], axis=2)                                 # [B, K, S+E, H]
+    out = jnp.einsum("bkgtc,bkch->btkgh", probs, values, precision=hi).reshape(b, t, n, h)
+  else:                                                                           # the extra columns' own softmax
+    m_e = jnp.max(logits_ext, axis=-1, keepdims=True)
+    p_e = jnp.exp(logits_ext - jnp.where(jnp.isfinite(m_e), m_e, 0.0))
+    z_e = jnp.sum(p_e, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgte,bkeh->btkgh", p_e / jnp.where(z_e > 0, z_e, 1.0), ev, precision=hi).reshape(b, t, n, h)
   last = jnp.mean(probs[:, :, :, t - p_rows:, :], axis=2)                         # [B, K, P, S+E]
   if prob_rows is None:
     last = last[:, :, 0]

@@ -64,6 +64,34 @@ def test_kernel_returns_the_last_rows_probabilities(bits, prob_rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group_size,t", [(1, 64, 64, 3), (2, 32, 8, 1), (4, 64, 16, 2)])
+def test_kernel_without_lowbit_values_scores_alike_and_outputs_the_extra_columns_softmax(bits, head_dim,
+                                                                                        group_size, t):
+  """lowbit_values=False (SpeCache's lowbit_in_output=False): the probabilities as with the values, the output the
+  reference's softmax over the extra columns alone — and the low-bit values never read (NaN values and value
+  scales everywhere change nothing). One row's extra columns all masked: output 0 there."""
+  args = list(testing.mixed_inputs(60 + bits + t, batch=2, t=t, kv_heads=2, gqa=3, slots=1300, head_dim=head_dim,
+                                   bits=bits, group_size=group_size, lengths=[1300, 517], n_exclude=5, n_extra=14))
+  mask = np.asarray(args[11]).copy()
+  mask[1, 1, t - 1] = False
+  args[11] = jnp.asarray(mask)
+  out, p_low, p_extra = _compare(args, bits, group_size, prob_rows=t, lowbit_values=False)
+  _, with_low, with_extra = _compare(args, bits, group_size, prob_rows=t)
+  np.testing.assert_array_equal(np.asarray(p_low), np.asarray(with_low))
+  np.testing.assert_array_equal(np.asarray(p_extra), np.asarray(with_extra))
+  assert not np.asarray(out)[1, t - 1, 3:].any() and np.asarray(out)[1, t - 1, :3].any()   # heads of KV head 1
+  poisoned = list(args)
+  poisoned[4] = jnp.full_like(args[4], 255)
+  poisoned[5], poisoned[6] = jnp.full_like(args[5], jnp.nan), jnp.full_like(args[6], jnp.nan)
+  got = jax.jit(functools.partial(cka.mixed_decode_attention, bits=bits, group_size=group_size, sm_scale=0.3,
+                                  prob_rows=t, lowbit_values=False))(*poisoned)
+  for g, w in zip(got, (out, p_low, p_extra)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match="lowbit_values=1 must be a bool"):
+    cka.mixed_decode_attention(*args, bits=bits, group_size=group_size, sm_scale=0.3, lowbit_values=1)
+
+
+@needs_kernel
 def test_kernel_rows_with_nothing_to_attend_give_zeros():
   """lowbit_len 0 and no extra column for some rows: output 0 and probabilities 0, never NaN (as the reference)."""
   args = list(testing.mixed_inputs(3, batch=2, t=2, kv_heads=2, gqa=2, slots=96, head_dim=32, bits=1, group_size=16,
@@ -131,10 +159,11 @@ def _kernel_off():
 
 @needs_kernel
 @pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2), ("full", None),
-                                       ("candidates", 1), ("hedge", 1)])
+                                       ("candidates", 1), ("hedge", 1), ("scoreonly", 1)])
 def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
   """A decoding step (two sequences, ragged; SpeCache simulated — faithful, two candidates + hedge, hedge: the
-  kernel gives several rows' probabilities —, KIVI: the mixed kernel; the full cache: the dense one) with the
+  kernel gives several rows' probabilities —, scoreonly: the output and exact_on_miss's real-row scores without
+  the low-bit values —, KIVI: the mixed kernel; the full cache: the dense one) with the
   kernel and with the jnp ops: the same logits and cache (SpeCache's κ included); lowered for a GPU the kernel is
   not emitted."""
   model = tiny_model(seed=8, head_dim=32)
@@ -142,6 +171,7 @@ def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
   method = {"specache": lambda: _specache(bits=bits), "full": lambda: sj.cache_config("full"),
             "candidates": lambda: _specache(bits=bits, candidates=2, hedge=2),
             "hedge": lambda: _specache(bits=bits, hedge=3, hedge_shift=1),
+            "scoreonly": lambda: _specache(bits=bits, candidates=2, exact_on_miss=True, lowbit_in_output=False),
             "kivi": lambda: sj.cache_config("kivi", bits=bits, group_size=16, residual=16)}[name]()
   target = ck.DENSE_TARGET if name == "full" else ck.ATTENTION_TARGET
   prompts = random_prompts(2, [70, 45], cfg.vocab_size)
@@ -151,6 +181,9 @@ def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
                                     jnp.asarray([70, 45], jnp.int32))
   if method.uses_predecode:
     _, cache, _ = decoder.forward_jit(model.params, cfg, jnp.asarray([[3], [4]]), cache, method, "predecode")
+  if name == "scoreonly":                              # row 1's speculative token missed: its κ_t from its scores
+    miss = jnp.asarray([False, True])
+    cache = cache.replace(layers=cache.layers.replace(miss=jnp.broadcast_to(miss, cache.layers.miss.shape)))
   step = jnp.asarray([[3, 7, 2], [4, 1, 9]], jnp.int32)[:, :method.decode_width]
 
   def run(x, c):

@@ -342,7 +342,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
   are written in place — the codes it wrote are at positions this attention masks — and the ring after).
   scores_only: the caller uses only the probabilities (with score_levels="range", so does a step whose output
-  leaves the low-bit copy out): the low-bit keys score at `score_levels`."""
+  leaves the low-bit copy out): the low-bit keys score at `score_levels`; the output returned is then not
+  the attention's (the CPU kernel does not read the low-bit values for it)."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
@@ -365,11 +366,17 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   sm_scale = h ** -0.5
   exclude = jnp.where(kap_use, kappa, -1)
   low, score_ring_k = st.low, ring_k            # what the probabilities score with (the output: st.low, ring_k)
-  if method.score_levels == "range" and (scores_only or (use_kappa and not method.lowbit_in_output)):
+  sixteen_out = use_kappa and not method.lowbit_in_output        # the output attends the 16-bit columns only
+  if method.score_levels == "range" and (scores_only or sixteen_out):
     low = low.replace(**dict(zip(("k_scale", "k_zero"), quant.range_levels(low.k_scale, low.k_zero, method.bits,
                                                                             method.one_bit))))
     score_ring_k = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,
                                        residual=method.residual, exact_keys=method.exact_ring)[0]
+
+  def sixteen_bit_output():
+    """The output over κ_t's rows, the ring and the new rows only (`sixteen_out`: the low-bit copy only scores)."""
+    return A.segmented_attention(q, [(ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
+                                     (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)[0]
 
   def jnp_attention():
     excluded = jnp.zeros((b, n_kv, s + 1), bool)
@@ -381,10 +388,15 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
         q, [packed, (score_ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
             (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
+    out = sixteen_bit_output() if sixteen_out else out
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
 
   def fused_attention(kernel, prob_rows=None):
-    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows')."""
+    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows'). The CPU
+    kernel skips the low-bit values where the output leaves them out: it gives the `sixteen_out` output itself
+    where the ring scores with the keys the output reads (score_levels "stored"), and with scores_only an output
+    nobody reads."""
+    by_kernel = prob_rows is not None and (scores_only or (sixteen_out and score_ring_k is ring_k))
     if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
       raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
     extra_k = [score_ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
@@ -392,11 +404,12 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
       extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
-    kw = {} if prob_rows is None else dict(prob_rows=prob_rows)
+    kw = {} if prob_rows is None else dict(prob_rows=prob_rows, lowbit_values=not by_kernel)
     out, p_low, p_extra = kernel(
         q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero,
         val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
         sm_scale=sm_scale, **kw)
+    out = sixteen_bit_output() if sixteen_out and not by_kernel else out
     return (out, p_low[:, :, None], p_extra[:, :, None]) if prob_rows is None else (out, p_low, p_extra)
 
   if method.attention_impl != "jnp":
@@ -407,9 +420,6 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     out, probs_low, probs_extra = ck.on_cpu(
         trailing and cpu_attention.applies(method.bits, method.group_size, h),
         lambda: fused_attention(cpu_attention.mixed_decode_attention, len(rows)), jnp_attention)
-  if use_kappa and not method.lowbit_in_output:        # the low-bit copy only scores (what κ_{t+1} is chosen by)
-    out, _ = A.segmented_attention(q, [(ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
-                                       (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

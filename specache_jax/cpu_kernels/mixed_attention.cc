@@ -10,6 +10,8 @@
 //     are instead of concatenated by XLA first; a segment may be empty).
 // Returns every row's output, and for each of the last P rows (t = T-P .. T-1; P = prob_rows) its probabilities
 // averaged over the G heads, split into the low-bit part [P, S] (0 where not attended) and the extra part [P, E].
+// With lowbit_values false the low-bit slots only score: the probabilities are the same, the output is the softmax
+// over the extra columns alone (SpeCache's lowbit_in_output=False), and the low-bit values are never read.
 //
 // Work items (b, k, chunk of kChunk slots) on the calling thread + XLA's intra-op pool (common.h), two phases:
 //   1. per item: logits of all M rows for the chunk's slots (16 slots at a time: a block's codes are unpacked
@@ -148,6 +150,7 @@ using KeyTable = decltype(MakeKeyFns(std::make_integer_sequence<int, kKeyRows>()
 
 struct Shapes {
   int64_t b, k, m, t, hd, s, c_bytes, p_groups, v_groups, x, e, g, chunk, n_chunks, p;   // p: prob rows
+  bool values;   // the low-bit values enter the output (else it attends the extra columns only)
 };
 
 // Phase 1 for one (b, k, chunk): see the file comment. L: scratch [M, stride].
@@ -239,7 +242,7 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
   // p·scale (ValueSum's w) and the zeros' part Σ p·z
   const float* vsr = vs + (bk * d.s + s0) * d.v_groups;
   const float* vzr = vz + (bk * d.s + s0) * d.v_groups;
-  const bool one_group = d.v_groups == 1;                    // then g = H, a multiple of 16
+  const bool one_group = d.values && d.v_groups == 1;          // then g = H, a multiple of 16
   alignas(64) float tail_s[16] = {0}, tail_z[16] = {0};          // the last vector's scales / zeros, 0 past n
   const int64_t n_whole = n / 16 * 16;
   if (one_group)
@@ -283,8 +286,10 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
     zpart[r] = Sum(vz_acc);
   }
   // Σ p · v̂: the codes' part per channel block, then the zeros' part Σ_i p_i z_{i, group}
-  ValueSum<BITS>(logits, wbuf, stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes, vsr, d.v_groups, d.g, o, hd);
-  for (int64_t r = 0; r < m; ++r) {
+  if (d.values)
+    ValueSum<BITS>(logits, wbuf, stride, m, n, vc + (bk * d.s + s0) * d.c_bytes, d.c_bytes, vsr, d.v_groups, d.g, o,
+                   hd);
+  for (int64_t r = 0; r < m && d.values; ++r) {
     if (one_group) {
       for (int64_t h = 0; h < hd; ++h) o[r * hd + h] += zpart[r];
       continue;
@@ -325,6 +330,24 @@ struct ExtraRows {
   }
 };
 
+// Without the low-bit values (Shapes::values false) a row's output is the softmax over its unmasked extra columns
+// alone (their own maximum `e_max`; 0 where there are none): out = Σ_j exp(l_j - e_max) v_j / Σ_j exp(l_j - e_max).
+void ExtraOutput(const ExtraRows& extra, int64_t bk, const uint8_t* mrow, const float* logits, int64_t e,
+                 float e_max, int64_t hd, float* orow) {
+  V acc[kMaxHeadDim / 16];
+  for (int64_t i = 0; i < hd / 16; ++i) acc[i] = V{};
+  float z = 0.f;
+  for (int64_t j = 0; j < e && e_max != kNegInf; ++j) {
+    if (!mrow[j]) continue;
+    const float p = std::exp(logits[j] - e_max);
+    const float* vr = extra.Value(bk, j);
+    z += p;
+    for (int64_t i = 0; i < hd / 16; ++i) acc[i] += p * Load(vr + 16 * i);
+  }
+  const float inv = z > 0.f ? 1.f / z : 0.f;
+  for (int64_t i = 0; i < hd / 16; ++i) Store(orow + 16 * i, acc[i] * inv);
+}
+
 // Phase 2 for one (b, k): merge the chunks and the extra columns (16 channels at a time: each extra column's
 // score is one vector dot, their exps 16 columns at a time, each value row added as hd/16 vectors).
 void MergeItem(const Shapes& d, int64_t bk, const float* q, const ExtraRows& extra, const uint8_t* emask,
@@ -350,10 +373,11 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const ExtraRows& ext
       row_max = std::max(row_max, le[j]);
     }
     std::fill(le.begin() + e, le.end(), kNegInf);
-    for (int64_t c = 0; c < nc; ++c) row_max = std::max(row_max, c_max[(bk * nc + c) * m + r]);
     float* orow = out + (bk * m + r) * hd;
+    if (!d.values) ExtraOutput(extra, bk, mrow, le.data(), e, row_max, hd, orow);   // row_max: the extra columns'
+    for (int64_t c = 0; c < nc; ++c) row_max = std::max(row_max, c_max[(bk * nc + c) * m + r]);
     if (row_max == kNegInf || std::isnan(row_max)) {
-      std::fill(orow, orow + hd, 0.f);
+      if (d.values) std::fill(orow, orow + hd, 0.f);
       continue;
     }
     V acc[kMaxHeadDim / 16];
@@ -367,13 +391,15 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const ExtraRows& ext
       zv += p;
     }
     z += Sum(zv);
-    for (int64_t j = 0; j < e; ++j) {
-      if (!mrow[j]) continue;                            // never read a masked row (it may hold anything)
-      const float* vr = extra.Value(bk, j);
-      for (int64_t i = 0; i < nv; ++i) acc[i] += le[j] * Load(vr + 16 * i);
-    }
     const float inv = 1.f / z;
-    for (int64_t i = 0; i < nv; ++i) Store(orow + 16 * i, acc[i] * inv);
+    if (d.values) {
+      for (int64_t j = 0; j < e; ++j) {
+        if (!mrow[j]) continue;                          // never read a masked row (it may hold anything)
+        const float* vr = extra.Value(bk, j);
+        for (int64_t i = 0; i < nv; ++i) acc[i] += le[j] * Load(vr + 16 * i);
+      }
+      for (int64_t i = 0; i < nv; ++i) Store(orow + 16 * i, acc[i] * inv);
+    }
     if (t >= d.t - d.p) {                                // prob row pi of head g = r / T
       const int64_t gi = r / d.t, pi = t - (d.t - d.p);
       for (int64_t c = 0; c < nc; ++c) {
@@ -409,6 +435,7 @@ void MergeItem(const Shapes& d, int64_t bk, const float* q, const ExtraRows& ext
   if (!(cond)) return ffi::Error::InvalidArgument(std::string("mixed_decode_attention: ") + msg)
 
 ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t_rows, int64_t prob_rows,
+               bool values,
                ffi::Buffer<ffi::F32> q,
                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> k_zero,
                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> v_zero,
@@ -437,7 +464,7 @@ ffi::Error Run(ffi::ThreadPool pool, int64_t bits, int64_t group_size, int64_t t
   extra.hd = qd[3];
   CHECK_ARG(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
   Shapes d{qd[0], qd[1], qd[2], t_rows, qd[3], kd[2], kd[3], sd[2], vd[3], xd[2], e_total, group_size, 0, 0,
-           prob_rows};
+           prob_rows, values};
   CHECK_ARG(d.t >= 1 && d.m % d.t == 0, "rows M must be G·T");
   CHECK_ARG(d.p >= 1 && d.p <= d.t, "prob_rows must be in [1, T]");
   CHECK_ARG(d.hd == 16 || d.hd == 32 || d.hd == 64 || d.hd == 128, "head_dim must be 16, 32, 64 or 128");
@@ -487,6 +514,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MixedDecodeAttention, Run,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("t_rows")
                                   .Attr<int64_t>("prob_rows")
+                                  .Attr<bool>("lowbit_values")
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q rows [B, K, M, H], scaled by sm_scale
                                   .Arg<ffi::Buffer<ffi::U8>>()    // k_codes [B, K, S, C]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_scale [B, K, P, H]

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mixed_decode_attention import check_arrays, check_prob_rows
+from pallas_kernels.mixed_decode_attention import check_arrays, check_lowbit_values, check_prob_rows
 from specache_jax import cpu_kernels as ck
 
 BITS = (1, 2, 4, 8)
@@ -75,9 +75,10 @@ def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, ex
 
 def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
                            extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float,
-                           prob_rows: int | None = None):
+                           prob_rows: int | None = None, lowbit_values: bool = True):
   """Mixed-precision decode attention (`pallas_kernels.mixed_decode_attention`'s contract and reference, whose
-  `prob_rows` it shares).
+  `prob_rows` and `lowbit_values` it shares: with lowbit_values=False the low-bit slots only score — their values
+  are never read — and the output is the softmax over the extra columns alone).
 
   q: [B, T, N, H]; k_codes, v_codes: uint8 [B, K, S, C] (C = H·bits/8); k_scale, k_zero: [B, K, P, H]
   (P >= ceil(S/g)); v_scale, v_zero: [B, K, S, H/g]; lowbit_len: int [B]; exclude: int [B, K, X]
@@ -92,6 +93,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, whole, whole, extra_mask,
          bits, group_size)
   p = check_prob_rows(prob_rows, q.shape[1])
+  check_lowbit_values(lowbit_values)
   if not ck.available():
     raise RuntimeError(f"mixed_decode_attention: CPU kernels {ck.status()}")
   b, t, n, h = q.shape
@@ -102,28 +104,28 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   args = (q_rows.reshape(b, kh, g * t, h), k_codes, k_scale.astype(f32), k_zero.astype(f32), v_codes,
           v_scale.astype(f32), v_zero.astype(f32), lowbit_len.astype(jnp.int32), exclude.astype(jnp.int32),
           *(x.astype(f32) for x in ks + vs), extra_mask.astype(jnp.uint8))
-  out, p_low, p_extra = _batch_partitioned(bits, group_size, t, p)(*args)
+  out, p_low, p_extra = _batch_partitioned(bits, group_size, t, p, lowbit_values)(*args)
   out = jnp.transpose(out.reshape(b, kh, g, t, h), (0, 3, 1, 2, 4)).reshape(b, t, n, h)
   if prob_rows is None:
     p_low, p_extra = p_low[:, :, 0], p_extra[:, :, 0]
   return out.astype(q.dtype), p_low, p_extra
 
 
-def _call(bits: int, group_size: int, t: int, p: int, q_rows, k_codes, *rest):
+def _call(bits: int, group_size: int, t: int, p: int, values: bool, q_rows, k_codes, *rest):
   b, kh, m, h = q_rows.shape
   s, e = k_codes.shape[2], rest[-1].shape[3]     # rest ends with the extra mask [B, K, T, E]
   outs = (jax.ShapeDtypeStruct((b, kh, m, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, p, s), jnp.float32),
           jax.ShapeDtypeStruct((b, kh, p, e), jnp.float32))
   return tuple(jax.ffi.ffi_call(ck.ATTENTION_TARGET, outs, vmap_method="sequential")(
-      q_rows, k_codes, *rest, bits=bits, group_size=group_size, t_rows=t, prob_rows=p))
+      q_rows, k_codes, *rest, bits=bits, group_size=group_size, t_rows=t, prob_rows=p, lowbit_values=values))
 
 
 @functools.cache
-def _batch_partitioned(bits: int, group_size: int, t: int, p: int):
+def _batch_partitioned(bits: int, group_size: int, t: int, p: int, values: bool):
   """The custom call for the SPMD partitioner: the batch axis keeps its sharding (`cpu_kernels.batch_partitioned`)."""
   segs = ", ".join(f"b k e{i} h" for i in range(MAX_SEGMENTS))
   rule = (f"b k m h, b k s c, b k p h, b k p h, b k s c, b k s v, b k s v, b, b k x, {segs}, {segs}, b k t e "
           "-> b k m h, b k r s, b k r e")
-  return ck.batch_partitioned(functools.partial(_call, bits, group_size, t, p), rule, 3,
+  return ck.batch_partitioned(functools.partial(_call, bits, group_size, t, p, values), rule, 3,
                               ("k", "m", "h", "s", "c", "p", "v", "x") + tuple(f"e{i}" for i in range(MAX_SEGMENTS))
                               + ("t", "e", "r"))       # in the rule's order (Shardy wants them sorted)
