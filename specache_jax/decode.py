@@ -109,7 +109,7 @@ def guesses(method: CacheConfig, logits_BV, looked_up_B=None):
   int32 (one: `guess`). looked_up_B [B] int32 (`lookup_guess`; `history.NONE` where none): replaces the last
   guess where it is not one of them already."""
   c = method.decode_width - 1
-  top_BC = guess(logits_BV)[:, None] if c == 1 else jax.lax.top_k(logits_BV, c)[1].astype(jnp.int32)
+  top_BC = guess(logits_BV)[:, None] if c == 1 else cpu_select.top_k(logits_BV, c)
   if looked_up_B is None:
     return top_BC
   new_B = (looked_up_B != history.NONE) & ~jnp.any(top_BC == looked_up_B[:, None], axis=-1)

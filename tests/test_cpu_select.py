@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specache_jax as sj
 from specache_jax import cpu_kernels as ck
 from specache_jax.caches import attention as A
 from specache_jax.caches import selection
@@ -152,6 +153,25 @@ def test_greedy_takes_the_argmax_kernel_for_float32_on_cpu_only():
   assert ck.ARGMAX_TARGET not in jax.jit(decode.guess).trace(logits).lower(lowering_platforms=("cuda",)).as_text()
   assert ck.ARGMAX_TARGET not in jax.jit(decode.guess).trace(logits.astype(jnp.bfloat16)).lower().as_text()
   np.testing.assert_array_equal(np.asarray(jax.jit(decode.guess)(logits)), np.asarray(jnp.argmax(logits, -1)))
+
+
+@needs_kernel
+def test_candidate_guesses_take_the_top_k_kernel_for_float32_on_cpu_only():
+  """SpeCache's speculative candidates (decode_width - 1 = 3 likeliest tokens of the vocabulary): the top-k kernel
+  for float32 logits on the CPU — lax.top_k's indices, ties included —, lax.top_k for bfloat16 and on a GPU."""
+  from specache_jax import decode
+  method = sj.cache_config("specache", bits=1, group_size=16, residual=16, topk=8, candidates=3)
+  rs = np.random.RandomState(6)
+  logits = rs.randn(3, 49152).astype(np.float32)
+  logits[1, [7, 900, 30000, 41]] = 9.0                          # a four-way tie at the top: the lower indices
+  logits = jnp.asarray(logits)
+  fn = jax.jit(lambda x: decode.guesses(method, x))
+  assert ck.TOP_K_TARGET in fn.trace(logits).lower().as_text()
+  assert ck.TOP_K_TARGET not in fn.trace(logits).lower(lowering_platforms=("cuda",)).as_text()
+  assert ck.TOP_K_TARGET not in fn.trace(logits.astype(jnp.bfloat16)).lower().as_text()
+  want = jax.lax.top_k(logits, 3)[1]
+  np.testing.assert_array_equal(np.asarray(fn(logits)), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(fn(logits))[1], [7, 41, 900])
 
 
 @needs_kernel
