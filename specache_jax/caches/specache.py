@@ -464,6 +464,22 @@ def kappa_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   return jnp.where(corrected_heads(method, st, q)[..., None], real, st.kappa)
 
 
+def _fetched_for_step(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths) -> State:
+  """Simulated: κ_t chosen now (`kappa_for_step`) and gathered, only where some head of the batch is corrected
+  (a lax.cond; else the prefetched rows stand, which the choice would keep: exact_on_miss and drift skip the
+  real row's scoring pass on a step whose guesses all hit). Only the small κ arrays pass through the cond."""
+  def now():
+    got = fetch_simulated(st, kappa_for_step(method, st, q, k_new, v_new, lengths))
+    return got.kappa, got.fetched_k, got.fetched_v
+
+  if not method.speculative:                         # every head, every step
+    kappa, fetched_k, fetched_v = now()
+  else:
+    kappa, fetched_k, fetched_v = jax.lax.cond(jnp.any(corrected_heads(method, st, q)), now,
+                                               lambda: (st.kappa, st.fetched_k, st.fetched_v))
+  return st.replace(kappa=kappa, fetched_k=fetched_k, fetched_v=fetched_v)
+
+
 def _probability_rows(method: SpeCacheConfig) -> tuple[int, ...]:
   """The decoding rows whose probabilities κ_{t+1} is chosen from: the real row's first when hedging, then the
   speculative candidates' (a single candidate as row -1: the form the fused kernels return)."""
@@ -542,7 +558,7 @@ def attend(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   reads whole, is written after it (`lowbit.store_ring`)."""
   st = store(method, st, k_new[:, 0], v_new[:, 0], lengths)
   if fetches_on_critical_path(method) and not method.offload:
-    st = _fetch(method, st, kappa_for_step(method, st, q, k_new, v_new, lengths))
+    st = _fetched_for_step(method, st, q, k_new, v_new, lengths)
   out, st, aux = attend_fetched(method, st, q, k_new, v_new, lengths)
   st = st.replace(low=lowbit.store_ring(st.low, k_new[:, 0, :, None], v_new[:, 0, :, None], lengths, after=out))
   if method.speculative:
