@@ -27,6 +27,10 @@ mean_g exp(logit - M_g) / L_g. This costs G·4 bytes per slot written and read b
 pass that would re-read and re-unpack the packed keys and their scales.
 
 A row whose every column is masked yields output 0 and probabilities 0 (never NaN).
+
+lowbit_values=False: the low-bit slots only score. The programs keep the running max and sum (the probabilities
+are the same) but never load the value codes and scales; split 0 writes the softmax over the extra columns alone,
+normalised, as the output (SpeCache's lowbit_in_output=False step and its scores-only passes).
 """
 from __future__ import annotations
 
@@ -62,15 +66,26 @@ class MixedAttentionBlock:
 
 
 def _online_update(carry, logits, v, dot_dtype):
-  """One flash step. carry: o [R, H], m [R], l [R]; logits [R, S'] (-inf = masked); v [S', H]."""
+  """One flash step. carry: o [R, H], m [R], l [R]; logits [R, S'] (-inf = masked); v [S', H], or None: the
+  running max and sum only (o passes through)."""
   o, m, l = carry
   m_new = jnp.maximum(m, jnp.max(logits, axis=1))                               # [R]
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                             # all-masked rows
   alpha = jnp.exp(m - m_safe)                                                   # [R]
   p = jnp.exp(logits - m_safe[:, None])                                         # [R, S']
   l_new = alpha * l + jnp.sum(p, axis=1)
+  if v is None:
+    return o, m_new, l_new
   o_new = alpha[:, None] * o + _common.dot_nn(p, v, dot_dtype)                  # [R, H]
   return o_new, m_new, l_new
+
+
+def _softmax_output(logits, v, dot_dtype):
+  """softmax(logits) · v over these columns alone, normalised; 0 for a row with every column masked."""
+  r = logits.shape[0]
+  o, _, l = _online_update((jnp.zeros((r, v.shape[1]), jnp.float32), jnp.full((r,), -jnp.inf, jnp.float32),
+                            jnp.zeros((r,), jnp.float32)), logits, v, dot_dtype)
+  return o * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[:, None]
 
 
 def _last_row(logits, t_rows: int):
@@ -86,14 +101,15 @@ def _last_row(logits, t_rows: int):
 def mixed_decode_attention_kernel(
     q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, len_ref, excl_ref, ek_ref, ev_ref, em_ref,
     o_ref, m_ref, l_ref, low_ref, extra_ref, *, bits: int, group_size: int, sm_scale: float,
-    t_rows: int, n_heads: int, n_slots: int, n_extra: int, block_s: int, dot_dtype):
+    t_rows: int, n_heads: int, n_slots: int, n_extra: int, block_s: int, dot_dtype, lowbit_values: bool):
   """One (b, k, split) program.
 
   q_ref [R, H]; kc_ref/vc_ref [L, C] uint8 (L = this split's slots); ks_ref/kz_ref [L/g, H];
   vs_ref/vz_ref [L, H/g]; len_ref []; excl_ref [Xp] int32 (-1 = none); ek_ref/ev_ref [Ep, H];
   em_ref [T, Ep] int32. Outputs: o_ref [R, H], m_ref/l_ref [R] (unnormalised, this split only),
   low_ref [Gp, L] last-row logits, extra_ref [Gp, Ep] last-row extra logits (written by split 0); only
-  their first n_heads = G rows exist in HBM (masked stores).
+  their first n_heads = G rows exist in HBM (masked stores). lowbit_values=False: o_ref is split 0's normalised
+  output over the extra columns (0 in the other splits), the value refs are never read.
   """
   split_len, n_bytes = kc_ref.shape
   r, head_dim = q_ref.shape
@@ -125,6 +141,8 @@ def mixed_decode_attention_kernel(
     logits = jnp.where(ok[None, :], logits, -jnp.inf)
     plgpu.store(low_ref.at[:, pl.ds(start, block_s)], _last_row(logits, t_rows),
                 mask=jnp.broadcast_to(head_ok[:, None], (gp, block_s)))
+    if not lowbit_values:
+      return _online_update(carry, logits, None, dot_dtype)
 
     vmask = jnp.broadcast_to(ok[:, None], (block_s, n_vgroups))
     v_codes = plgpu.load(vc_ref.at[pl.ds(start, block_s), :],
@@ -151,7 +169,11 @@ def mixed_decode_attention_kernel(
   extra_v = plgpu.load(ev_ref, mask=umask, other=0.0)
   logits_e = _common.dot_nt(q, extra_k, dot_dtype) * sm_scale                    # [R, Ep]
   logits_e = jnp.where(row_mask, logits_e, -jnp.inf)
-  o, m, l = _online_update(carry, logits_e, extra_v, dot_dtype)
+  if lowbit_values:
+    o, m, l = _online_update(carry, logits_e, extra_v, dot_dtype)
+  else:
+    _, m, l = _online_update(carry, logits_e, None, dot_dtype)
+    o = _softmax_output(logits_e, extra_v, dot_dtype)
 
   @pl.when(first)
   def _():
@@ -211,11 +233,14 @@ def _splits(s: int, block: MixedAttentionBlock) -> tuple[int, int]:
   return pl.cdiv(n_blocks, per_split), per_split * block.block_s
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block",
+                                             "lowbit_values"))
 def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude,
                            extra_k, extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float,
-                           interpret: bool = False, block: MixedAttentionBlock | None = None):
-  """Mixed-precision decode attention (see the module docstring).
+                           interpret: bool = False, block: MixedAttentionBlock | None = None,
+                           lowbit_values: bool = True):
+  """Mixed-precision decode attention (see the module docstring; lowbit_values=False: the low-bit slots only
+  score, the output is the extra columns' own softmax).
 
   q: [B, T, N, H]; k_codes, v_codes: uint8 [B, K, S, C] (C = H·bits/8); k_scale, k_zero: [B, K, P, H]
   (P >= ceil(S/g)); v_scale, v_zero: [B, K, S, H/g]; lowbit_len: int [B]; exclude: int [B, K, X]
@@ -223,6 +248,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   Returns (out [B, T, N, H] in q.dtype, lowbit_probs f32 [B, K, S], extra_probs f32 [B, K, E]).
   """
   block = block or MixedAttentionBlock()
+  check_lowbit_values(lowbit_values)
   _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
                 extra_v, extra_mask, bits, group_size, block)
   b, t, n, h = q.shape
@@ -238,7 +264,8 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   excl = jnp.pad(exclude.astype(jnp.int32), ((0, 0), (0, 0), (0, xp - x)), constant_values=-1)
   kernel = functools.partial(
       mixed_decode_attention_kernel, bits=bits, group_size=group_size, sm_scale=float(sm_scale),
-      t_rows=t, n_heads=g, n_slots=s, n_extra=e, block_s=block.block_s, dot_dtype=_dot_dtype(q.dtype))
+      t_rows=t, n_heads=g, n_slots=s, n_extra=e, block_s=block.block_s, dot_dtype=_dot_dtype(q.dtype),
+      lowbit_values=lowbit_values)
   per_bk = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k) + (0,) * len(shape))
   per_split = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k, j, 0))
   f32 = jnp.float32
@@ -275,11 +302,13 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
       name="mixed_decode_attention",
   )(q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len.astype(jnp.int32), excl,
     extra_k, extra_v, extra_mask.astype(jnp.int32))
-  return _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, q.dtype, g=g, t=t, s=s, e=e)
+  return _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, q.dtype, g=g, t=t, s=s, e=e,
+                lowbit_values=lowbit_values)
 
 
-def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, *, g, t, s, e):
-  """Log-sum-exp merge of the splits; output and last-row probabilities (see the module docstring)."""
+def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, *, g, t, s, e, lowbit_values):
+  """Log-sum-exp merge of the splits; output and last-row probabilities (see the module docstring; without the
+  low-bit values the output is split 0's, already normalised)."""
   b, kh, _, r, h = o_part.shape
   gp = r // t
   m_all = jnp.max(m_part, axis=2)                                               # [B, K, R]
@@ -288,7 +317,7 @@ def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, 
   l_all = jnp.sum(w * l_part, axis=2)                                           # [B, K, R]
   o_all = jnp.einsum("bkjr,bkjrh->bkrh", w, o_part, precision=lax.Precision.HIGHEST)
   inv_l = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)     # [B, K, R]
-  o_bkgth = (o_all * inv_l[..., None]).reshape(b, kh, gp, t, h)[:, :, :g]
+  o_bkgth = (o_all * inv_l[..., None] if lowbit_values else o_part[:, :, 0]).reshape(b, kh, gp, t, h)[:, :, :g]
   out = jnp.einsum("bkgth->btkgh", o_bkgth).reshape(b, t, kh * g, h).astype(dtype)
   m_last = m_safe.reshape(b, kh, gp, t)[:, :, :g, t - 1]                        # [B, K, G]
   inv_last = inv_l.reshape(b, kh, gp, t)[:, :, :g, t - 1]

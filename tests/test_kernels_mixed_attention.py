@@ -69,8 +69,8 @@ class TestMixedDecodeAttention:
     if not self.INTERPRET and jax.default_backend() != "gpu":
       pytest.skip("compiled Pallas kernels need a GPU (the Interpret subclass runs on the CPU)")
 
-  def _run(self, args, bits, group_size, head_dim, block=None):
-    kw = dict(bits=bits, group_size=group_size, sm_scale=head_dim ** -0.5)
+  def _run(self, args, bits, group_size, head_dim, block=None, **extra):
+    kw = dict(bits=bits, group_size=group_size, sm_scale=head_dim ** -0.5, **extra)
     block = block or _block(group_size)
     return (mixed_decode_attention(*args, **kw, interpret=self.INTERPRET, block=block),
             mixed_decode_attention_reference(*args, **kw))
@@ -105,6 +105,26 @@ class TestMixedDecodeAttention:
         dead = (slot >= int(lengths[b])) | np.isin(slot, np.asarray(exclude[b, k]))
         assert (p_low[b, k, dead] == 0).all() and (p_low[b, k, ~dead] > 0).all()
         assert (p_extra[b, k, ~np.asarray(extra_mask[b, k, -1])] == 0).all()
+
+  @pytest.mark.parametrize("bits,group_size,gqa,t,num_splits", [(1, 32, 3, 2, 3), (2, 64, 4, 1, 1), (4, 32, 1, 3, 2)])
+  def test_without_lowbit_values_outputs_the_extra_columns_softmax(self, bits, group_size, gqa, t, num_splits):
+    """lowbit_values=False: probabilities as with the values, the output the reference's softmax over the extra
+    columns alone (one row without any: 0), and the value codes and scales never read (NaN there changes
+    nothing)."""
+    args = list(_inputs(bits, group_size, gqa, t, 64, jnp.float32, 5, 9))
+    args[11] = args[11].at[1, 0, t - 1].set(False)
+    block = MixedAttentionBlock(block_s=max(32, group_size), num_splits=num_splits)
+    got, want = self._run(tuple(args), bits, group_size, 64, block=block, lowbit_values=False)
+    _check(got, want, jnp.float32)
+    with_values, _ = self._run(tuple(args), bits, group_size, 64, block=block)
+    for g, w in zip(got[1:], with_values[1:]):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    assert not np.asarray(got[0])[1, t - 1, :gqa].any()                      # KV head 0's query heads
+    args[4], args[5], args[6] = jnp.full_like(args[4], 255), jnp.full_like(args[5], jnp.nan), jnp.full_like(
+        args[6], jnp.nan)
+    poisoned, _ = self._run(tuple(args), bits, group_size, 64, block=block, lowbit_values=False)
+    for g, w in zip(poisoned, got):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
   def test_fully_masked_rows_give_zero(self):
     # Row b=0 has no low-bit slot; with an all-False extra mask it has no column at all.

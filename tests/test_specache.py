@@ -167,9 +167,11 @@ def test_topk_larger_than_the_cache_fails_before_compiling():
                 cache=sj.cache_config("specache", group_size=8, residual=8, topk=1000))
 
 
-@pytest.mark.parametrize("options", [{}, dict(exact_ring=True, skip_ring=True)])
+@pytest.mark.parametrize("options", [{}, dict(exact_ring=True, skip_ring=True),
+                                     dict(lowbit_in_output=False, exact_on_miss=True)])
 def test_pallas_interpret_attention_gives_the_same_tokens_as_jnp(options):
-  """The GPU kernel's contract (interpreted) against the jnp/CPU path; exact_ring hands it the ring's 16-bit keys."""
+  """The GPU kernel's contract (interpreted) against the jnp/CPU path; exact_ring hands it the ring's 16-bit keys;
+  lowbit_in_output=False + exact_on_miss: the kernels' outputs without the low-bit values (lowbit_values=False)."""
   model = _model()
   prompts = random_prompts(9, [22, 37], model.config.vocab_size)
   kw = dict(bits=2, group_size=8, residual=8, topk=4, **options)

@@ -343,7 +343,7 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
   are written in place — the codes it wrote are at positions this attention masks — and the ring after).
   scores_only: the caller uses only the probabilities (with score_levels="range", so does a step whose output
   leaves the low-bit copy out): the low-bit keys score at `score_levels`; the output returned is then not
-  the attention's (the CPU kernel does not read the low-bit values for it)."""
+  the attention's (the fused kernels do not read the low-bit values for it)."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
@@ -392,11 +392,11 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
 
   def fused_attention(kernel, prob_rows=None):
-    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows'). The CPU
-    kernel skips the low-bit values where the output leaves them out: it gives the `sixteen_out` output itself
-    where the ring scores with the keys the output reads (score_levels "stored"), and with scores_only an output
-    nobody reads."""
-    by_kernel = prob_rows is not None and (scores_only or (sixteen_out and score_ring_k is ring_k))
+    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows'). Both
+    skip the low-bit values where the output leaves them out (`lowbit_values=False`): they give the `sixteen_out`
+    output themselves where the ring scores with the keys the output reads (score_levels "stored"), and with
+    scores_only an output nobody reads."""
+    by_kernel = scores_only or (sixteen_out and score_ring_k is ring_k)
     if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
       raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
     extra_k = [score_ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
@@ -404,7 +404,8 @@ def mixed_attention(method: SpeCacheConfig, st: State, q, kn_BKTH, vn_BKTH, leng
     if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
       extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
-    kw = {} if prob_rows is None else dict(prob_rows=prob_rows, lowbit_values=not by_kernel)
+    kw = dict(lowbit_values=not by_kernel) if prob_rows is None else dict(prob_rows=prob_rows,
+                                                                          lowbit_values=not by_kernel)
     out, p_low, p_extra = kernel(
         q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero,
         val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
