@@ -20,7 +20,8 @@ from tests.tiny import random_prompts, tiny_model
 
 needs_kernel = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels {ck.status()}")
 
-LAYOUTS = [(1, 64, 64), (1, 128, 32), (1, 32, 16), (1, 64, 4), (2, 16, 8), (2, 64, 64), (4, 32, 32), (8, 64, 16)]
+LAYOUTS = [(1, 64, 64), (1, 128, 32), (1, 32, 16), (1, 64, 4), (2, 16, 8), (2, 64, 64), (2, 128, 32), (4, 32, 32),
+           (8, 64, 16)]
 
 
 def _compare(args, bits, group_size, sm_scale=0.3, **extra):

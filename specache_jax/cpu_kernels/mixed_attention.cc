@@ -15,7 +15,7 @@
 //
 // Work items (b, k, chunk of kChunk slots) on the calling thread + XLA's intra-op pool (common.h), two phases:
 //   1. per item: logits of all M rows for the chunk's slots (16 slots at a time: a block's codes are unpacked
-//      once and scored for every row; 1-bit by nibble tables), the chunk's max per row, then one pass for the
+//      once and scored for every row; 1-, 2-bit by nibble tables), the chunk's max per row, then one pass for the
 //      exps, their sum and (one value group per slot) the value weights p·scale and Σ p·zero; Σ p·v̂'s codes part
 //      (each slot's codes read once per 16-channel block for every row; 1-bit: four blocks per pass, by masked
 //      adds), and the last P rows' unnormalised probabilities.
@@ -105,9 +105,10 @@ void KeyRows(const V* cv, int64_t hd, const float* w, const float* base, int64_t
   for (int r = 0; r < RB; ++r) Store(out + (m0 + r) * stride, a0[r] + a1[r]);
 }
 
-// 1-bit keys by table lookups: nibble c of a slot's row (channels 4c .. 4c+3) indexes the 16-entry table
-// T_c[i] = Σ_{j<4} bit_j(i) · w[4c + j] of the row's query (one register; __builtin_shuffle is one vpermps on
-// AVX-512). idx[c] lane i = nibble c of slot i; tables [M, H/4].
+// 1- and 2-bit keys by table lookups: nibble c of a slot's row (its n = 4/b channels nc .. nc+n-1) indexes the
+// 16-entry table T_c[i] = Σ_{j<n} code_j(i) · w[nc + j] of the row's query (code_j(i): bits jb .. jb+b-1 of i;
+// one register; __builtin_shuffle is one vpermps on AVX-512). idx[c] lane i = nibble c of slot i; tables
+// [M, H·b/4]. Per 16 slots and row: H·b/4 permutes and adds instead of H FMAs, and no unpacking of the codes.
 template <int RB>
 void KeyRowsNibbles(const VI* idx, int64_t n_nib, const V* tables, const float* base, int64_t m0, float* out,
                     int64_t stride) {
@@ -181,15 +182,22 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
     scaled_buf.resize(m * stride);
   }
   float* const logits = logits_buf.data();
-  // logits, one key group at a time (the query folded with the group's scales and zeros)
-  const int64_t n_nib = hd / 4;
+  // logits, one key group at a time (the query folded with the group's scales and zeros); 1-bit keys by nibble
+  // tables (KeyRowsNibbles: 4 / BITS channels per nibble), 2-bit too on AMD Zen 4/5, whose permutes issue beside
+  // the adds (30 layers at 8k, 3 rows per KV head: 7.8-11.5 -> 7.2-7.3 ms at batch 1, 29.6-30.5 -> 27.2-29.4 at
+  // batch 4; 6 rows: even; on an Intel Xeon the permutes share port 5 with the adds: 8.8 -> 9.8 ms), wider codes
+  // unpacked to floats
+  constexpr bool kNibbles = BITS == 1 || (BITS == 2 && specache_cpu::kSplitAddPipes);
+  constexpr int kPerNibble = 4 / BITS;
+  const int64_t n_nib = hd * BITS / 4;
   std::vector<float> w(m * hd), base(m);
-  std::vector<V> tables(BITS == 1 ? m * n_nib : 0);
+  std::vector<V> tables(kNibbles ? m * n_nib : 0);
   V cv[kMaxHeadDim];
   VW words[kMaxHeadDim / 4];
-  VI idx[kMaxHeadDim / 4];
-  V bit_of[4];
-  for (int j = 0; j < 4; ++j) bit_of[j] = __builtin_convertvector((kIota >> j) & 1, V);
+  VI idx[kMaxHeadDim / 2];
+  V code_of[kPerNibble];                                 // lane i: code j of nibble value i
+  for (int j = 0; j < kPerNibble; ++j)
+    code_of[j] = __builtin_convertvector((kIota >> (j * BITS)) & ((1 << BITS) - 1), V);
   const float* qb = q + bk * m * hd;
   for (int64_t gs = s0; gs < s0 + n; gs += d.g) {
     const int64_t p = gs / d.g, ge = std::min(gs + d.g, s0 + n);
@@ -203,25 +211,27 @@ void ChunkItem(const Shapes& d, int64_t bk, int64_t ci, const float* q, const ui
         acc += qv * Load(zr + h);
       }
       base[r] = Sum(acc);
-      if constexpr (BITS == 1) {
+      if constexpr (kNibbles) {
         const float* wr = w.data() + r * hd;
-        for (int64_t c = 0; c < n_nib; ++c)
-          tables[r * n_nib + c] = bit_of[0] * wr[4 * c] + bit_of[1] * wr[4 * c + 1] + bit_of[2] * wr[4 * c + 2] +
-                                  bit_of[3] * wr[4 * c + 3];
+        for (int64_t c = 0; c < n_nib; ++c) {
+          V t = code_of[0] * wr[kPerNibble * c];
+          for (int j = 1; j < kPerNibble; ++j) t += code_of[j] * wr[kPerNibble * c + j];
+          tables[r * n_nib + c] = t;
+        }
       }
     }
     for (int64_t bs = gs; bs < ge; bs += 16) {
       const int64_t nb = std::min<int64_t>(16, ge - bs);
       SlotWords(kc + (bk * d.s + bs) * d.c_bytes, d.c_bytes, nb, words);
       float* out = logits + (bs - s0);
-      if constexpr (BITS == 1) {
+      if constexpr (kNibbles) {
         for (int64_t c = 0; c < n_nib; ++c) idx[c] = VI(words[c / 8] >> (4 * (c % 8)));   // shuffles: index mod 16
       } else {
         SlotCodes<BITS>(words, d.c_bytes, cv);
       }
       for (int64_t r = 0; r < m; r += kKeyRows) {
         const int64_t rb = std::min<int64_t>(kKeyRows, m - r);
-        if constexpr (BITS == 1) {
+        if constexpr (kNibbles) {
           KeyTable::nibbles[rb - 1](idx, n_nib, tables.data(), base.data(), r, out, stride);
         } else {
           KeyTable::dense[rb - 1](cv, hd, w.data(), base.data(), r, out, stride);
