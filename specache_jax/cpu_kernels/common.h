@@ -45,6 +45,31 @@ inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
 inline V Splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+// Codes of 16 consecutive channels of one slot (the 2·b bytes at p) as floats.
+template <int BITS>
+inline V Codes16(const uint8_t* p) {
+  if constexpr (BITS == 1) {
+    uint16_t x;
+    std::memcpy(&x, p, 2);
+    return __builtin_convertvector((VI{} + x >> kIota) & 1, V);
+  } else if constexpr (BITS == 2) {
+    uint32_t x;
+    std::memcpy(&x, p, 4);
+    return __builtin_convertvector(VI(((VW{} + x) >> VW(2 * kIota)) & 3u), V);
+  } else if constexpr (BITS == 4) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    const VW w = kIota < 8 ? VW{} + lo : VW{} + hi;
+    return __builtin_convertvector(VI((w >> VW(4 * (kIota & 7))) & 15u), V);
+  } else {
+    typedef uint8_t VB __attribute__((vector_size(16)));
+    VB x;
+    std::memcpy(&x, p, 16);
+    return __builtin_convertvector(__builtin_convertvector(x, VI), V);
+  }
+}
+
 // exp(x) lane by lane; -inf and anything below the float range give 0. cephes expf: x = n ln2 + r, |r| <= ln2/2
 // (n ln2 subtracted in two parts), exp(r) by a degree-7 polynomial, times 2^n. On AVX-512 n is one rounding and 2^n
 // one vscalefps (13 vector ops; ~22 with a floor by conversions and 2^n built in the exponent bits, which needs

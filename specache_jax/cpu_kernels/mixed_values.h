@@ -28,31 +28,6 @@ inline V MaskedAdd(V acc, uint16_t bits, float w) {
 #endif
 }
 
-// Codes of 16 consecutive channels of one slot (the 2·b bytes at p) as floats.
-template <int BITS>
-inline V Codes16(const uint8_t* p) {
-  if constexpr (BITS == 1) {
-    uint16_t x;
-    std::memcpy(&x, p, 2);
-    return __builtin_convertvector((VI{} + x >> kIota) & 1, V);
-  } else if constexpr (BITS == 2) {
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    return __builtin_convertvector(VI(((VW{} + x) >> VW(2 * kIota)) & 3u), V);
-  } else if constexpr (BITS == 4) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    const VW w = kIota < 8 ? VW{} + lo : VW{} + hi;
-    return __builtin_convertvector(VI((w >> VW(4 * (kIota & 7))) & 15u), V);
-  } else {
-    typedef uint8_t VB __attribute__((vector_size(16)));
-    VB x;
-    std::memcpy(&x, p, 16);
-    return __builtin_convertvector(__builtin_convertvector(x, VI), V);
-  }
-}
-
 // o[m, 16j .. 16j+15] += Σ_i w[m, i] · code(slot i, channels 16j ..) for the chunk's first n slots, rows m0 ..
 // m0+RB-1 (RB accumulators), w = the probabilities times the slot's scale of that channel block's value group.
 // 2- to 8-bit codes (1-bit: ValueBlocks1).
