@@ -54,7 +54,8 @@ VARIANTS = ("kernel", "matmul", "xla")
 
 
 def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bool, bool]:
-  """(skinny matmul, mixed attention, top-k) custom calls a step traced as `variant` must have."""
+  """(skinny matmul, mixed attention, top-k or scatter + top-k) custom calls a step traced as `variant` must
+  have."""
   rows = batch * method.decode_width
   matmul = variant != "xla" and (ck.use_kernel(rows, False) or ck.use_kernel(rows, True))
   attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
@@ -179,7 +180,8 @@ def steps(model, method_labels, context: int, batch: int, rounds: int, n_steps: 
         fn = functools.partial(jax.jit(step, static_argnames=("cfg", "method"), donate_argnums=(2,)), cfg=cfg,
                                method=method)
         text = fn.func.lower(lp, *carry, cfg=cfg, method=method).as_text()
-        found = tuple(target in text for target in (ck.TARGET, ck.ATTENTION_TARGET, ck.TOP_K_TARGET))
+        found = (ck.TARGET in text, ck.ATTENTION_TARGET in text,              # κ's top-k: alone or with its scatter
+                 ck.TOP_K_TARGET in text or ck.SCATTER_TOP_K_TARGET in text)
         if found != _expected(variant, method, batch, cfg.head_dim):
           raise AssertionError(f"{label}: the step traced as {variant!r} does not have the kernels it should")
         carry = timing.block(fn(lp, *carry))
