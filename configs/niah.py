@@ -32,8 +32,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   # synchronously; off in the paper's method), skip_ring, hedge, drift (run them with --config.run_methods).
   c.methods = dict(methods.standard(), **methods.robust())
   # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit and 2-bit (g64, R64,
-  # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss.
-  c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom"
+  # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss, and
+  # SpeCache 1-bit with the robust preset (docs/speculation.md).
+  c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom,specache_1bit_robust"
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/niah
   # (written with --config.output_dir=results/niah).
   c.output_dir = "runs/niah"        # results.json (resumable cells), summary.md, heatmap_<method>.png
