@@ -63,6 +63,9 @@ def test_index_reads_unknown_and_known_runs_alike(tmp_path):
   (tmp_path / "results" / "broken").mkdir()
   (tmp_path / "results" / "broken" / "results.json").write_text(json.dumps({"meta": {"experiment": "ruler"},
                                                                             "cells": {"a": {}}}))
+  scores = tmp_path / "results" / "longbench"
+  scores.mkdir()
+  (scores / "results.json").write_text(json.dumps({"meta": {"experiment": "longbench"}, "cells": {"x/qasper": {}}}))
   text = _results_index().render(tmp_path)
   assert "[`needles`](needles/summary.md)**: Needle in a Haystack" in text
   assert "command: `python -m experiments.niah --config=configs/niah.py`" in text
@@ -70,3 +73,4 @@ def test_index_reads_unknown_and_known_runs_alike(tmp_path):
   assert "needles found: full 2/2, specache_1bit 1/2" in text and "1 figure" in text
   assert "[`odd`](odd.json)" in text and "command: not recorded in the file" in text
   assert "[`broken`](broken/results.json)" in text and "(no headline: the file's layout" in text
+  assert "- **[`longbench`](longbench/results.json)**\n  - command: not recorded in the file\n" in text

@@ -323,12 +323,16 @@ def describe(results: pathlib.Path, entry: Entry) -> Entry:
   date = _DATE_RE.search(text)
   entry.date = " ".join(g for g in date.groups() if g) if date else _json_date(data)
   for recognize, section, headline, title_default in KINDS:
-    if recognize(data):
+    try:
+      known = bool(recognize(data))
+    except (KeyError, TypeError, IndexError, AttributeError):   # a layout the recognizer does not expect
+      known = False
+    if known:
       entry.section = section
       entry.title = entry.title or title_default
       try:
         entry.headline = headline(data)
-      except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, StopIteration) as e:
+      except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError, StopIteration) as e:
         entry.headline = f"(no headline: the file's layout is not the one this script reads: {e!r})"
       break
   if entry.key.split("/", 1)[0] == "archive":
