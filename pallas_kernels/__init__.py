@@ -9,7 +9,7 @@ re-exported here: their names equal their modules' names.
 """
 import jax
 
-# Code widths the packed layout supports (DESIGN.md: b in {1, 2, 4, 8}), here and in specache_jax.quant.
+# Code widths the packed layout supports (docs/design.md: b in {1, 2, 4, 8}), here and in specache_jax.quant.
 BITS = (1, 2, 4, 8)
 
 # How attention over the low-bit cache is computed: plain jnp, the Pallas kernels compiled for the GPU,

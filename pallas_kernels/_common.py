@@ -1,10 +1,10 @@
 """Helpers shared by the low-bit kernels: validation, in-kernel unpacking and dequantization, dots.
 
-Axis letters (DESIGN.md): B batch, T query rows, S cached slots, N query heads, K KV heads, G query heads
+Axis letters (docs/design.md): B batch, T query rows, S cached slots, N query heads, K KV heads, G query heads
 per KV head, H head dim, C packed bytes along H (C = H·b/8), P key groups along S. Inside a kernel, R is the
 query rows of one KV head (g-major: row r = g·T + t, padded with zero rows to a power of two ≥ 16).
 
-Packing (DESIGN.md): code j of a row sits in byte j // (8/b) at bit offset (j % (8/b))·b.
+Packing (docs/design.md): code j of a row sits in byte j // (8/b) at bit offset (j % (8/b))·b.
 Dequantization: x̂ = code·scale + zero.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ H200_BYTES_PER_S = 4.8e12
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """One benchmark shape (axis letters as in DESIGN.md); X excluded slots, E extra 16-bit columns."""
+  """One benchmark shape (axis letters as in docs/design.md); X excluded slots, E extra 16-bit columns."""
   batch: int = 4          # B
   t: int = 2              # T: real + speculative row
   kv_heads: int = 8       # K

@@ -2,7 +2,7 @@
 
 Codes are uniform random bytes (every byte is a valid packing of 8/b codes of b bits), scales uniform in
 [0.05, 0.5), zeros standard normal: dequantized values of the size real keys/values have. Built with numpy
-(no compilation per shape, which keeps the interpret-mode tests fast); the layout is DESIGN.md's.
+(no compilation per shape, which keeps the interpret-mode tests fast); the layout is docs/design.md's.
 
 With `poison=True` every slot s >= lengths[b] is unusable: its codes are random, its value scale/zero are
 NaN, and key groups that start at or after the length have NaN scale/zero. A kernel that reads past the

@@ -1,6 +1,6 @@
 """Grouped asymmetric min-max quantization (KIVI) with SpeCache's 1-bit rule, and bit packing.
 
-Axis letters (DESIGN.md): B batch, K KV heads, S cached slots, H head dim, C packed bytes along H,
+Axis letters (docs/design.md): B batch, K KV heads, S cached slots, H head dim, C packed bytes along H,
 P quantization groups along S (keys: P = S / g).
 
 - Keys: per channel, `g` consecutive tokens form a group -> scale/zero [B, K, S/g, H].

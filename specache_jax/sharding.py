@@ -8,7 +8,7 @@ decode loop only pins the cache's layout (`constrain_cache`). The layout is Mega
 SpeCache picks its top-k per KV head, so κ, the low-bit copy, the residual ring, the fetched rows and the
 16-bit host store all shard with the heads: no step of the method crosses the model axis.
 embed, the norms and lm_head stay replicated (the LM head's output is what sampling reads whole).
-Axis letters as in DESIGN.md.
+Axis letters as in docs/design.md.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 def layer_leaf_spec(shape: tuple, n_kv_heads: int | None = None, stacked: bool = True) -> P:
   """A cache state leaf: [L, B, ...] when `stacked` (the decode loop), [B, ...] per layer (the runtime).
 
-  Per layer, a leaf of rank >= 3 is [B, K, ...] (DESIGN.md's cache layouts: 16-bit K/V, codes, scales, rings,
+  Per layer, a leaf of rank >= 3 is [B, K, ...] (docs/design.md's cache layouts: 16-bit K/V, codes, scales, rings,
   κ, fetched rows, H2O's scores): B on "data", K on "model". Rank 2 is per row and slot, shared by the heads
   ([B, X], StreamingLLM's positions): B only. Rank 1 is [B]. With `n_kv_heads` given, a rank >= 3 leaf whose
   K axis has another size is an error, not a silent mis-shard.
@@ -85,7 +85,7 @@ def layer_leaf_spec(shape: tuple, n_kv_heads: int | None = None, stacked: bool =
   k = shape[len(lead) + 1]
   if n_kv_heads is not None and k != n_kv_heads:
     raise ValueError(f"a cache leaf of shape {tuple(shape)} has {k} on its KV-head axis, not "
-                     f"n_kv_heads={n_kv_heads}: per-layer state leaves must be [B, K, ...] (DESIGN.md)")
+                     f"n_kv_heads={n_kv_heads}: per-layer state leaves must be [B, K, ...] (docs/design.md)")
   return P(*lead, "data", "model", *([None] * (rank - 2)))
 
 

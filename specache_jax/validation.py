@@ -50,7 +50,7 @@ def check_params(params, cfg: ModelConfig) -> None:
   """Structure, shapes (model/init.param_shapes) and dtypes of the params."""
   want = param_shapes(cfg)
   if not isinstance(params, dict):
-    raise ConfigError(f"params must be a nested dict (DESIGN.md), got {type(params).__name__}")
+    raise ConfigError(f"params must be a nested dict (docs/design.md), got {type(params).__name__}")
 
   def walk(want_tree, got_tree, prefix):
     missing = sorted(set(want_tree) - set(got_tree))

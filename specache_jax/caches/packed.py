@@ -3,7 +3,7 @@
 Axis letters as in caches/attention.py; C packed bytes per row, P = S / g key groups, J = 8 / b codes per
 byte, M = G·T query rows of one KV head (g-major: m = g_idx·T + t), I = g slots of one key group.
 
-Layouts (DESIGN.md): keys codes [B, K, S, C] uint8 packed along H, per-channel groups of g tokens, scale/zero
+Layouts (docs/design.md): keys codes [B, K, S, C] uint8 packed along H, per-channel groups of g tokens, scale/zero
 [B, K, P, H]; values codes [B, K, S, C], per-token groups of g channels, scale/zero [B, K, S, H/g]. Code j of a
 row sits in byte j // J at bit (j % J)·b.
 

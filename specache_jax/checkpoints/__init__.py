@@ -1,6 +1,6 @@
 """Checkpoint loading: HF safetensors directories, GGUF files, orbax directories, and the registered names.
 
-Every loader returns params in the layout of DESIGN.md (stacked [L, ...] leaves, weights [in, out], Q/K rows in
+Every loader returns params in the layout of docs/design.md (stacked [L, ...] leaves, weights [in, out], Q/K rows in
 HF's rotate-half RoPE layout). `load_model` (registry.py) picks the loader and caches converted weights.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Load an HF transformers directory: config.json + model.safetensors (or a sharded index) -> (ModelConfig, params).
 
-HF `nn.Linear` weights are [out, in]; the params layout (DESIGN.md) is [in, out] with the layers stacked on a
+HF `nn.Linear` weights are [out, in]; the params layout (docs/design.md) is [in, out] with the layers stacked on a
 leading L axis. Q/K rows already use the rotate-half RoPE layout the decoder expects.
 """
 from __future__ import annotations

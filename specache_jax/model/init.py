@@ -1,4 +1,4 @@
-"""Random parameters in the checkpoint layout of DESIGN.md (tests, training from scratch)."""
+"""Random parameters in the checkpoint layout of docs/design.md (tests, training from scratch)."""
 from __future__ import annotations
 
 import jax

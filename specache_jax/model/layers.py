@@ -1,6 +1,6 @@
 """Layer math shared by every path: RMSNorm, RoPE (default / linear / llama3), SwiGLU.
 
-Axis letters (DESIGN.md): B batch, T query length, N query heads, K KV heads, H head dim, D model dim, F hidden.
+Axis letters (docs/design.md): B batch, T query length, N query heads, K KV heads, H head dim, D model dim, F hidden.
 """
 from __future__ import annotations
 
