@@ -24,7 +24,10 @@ class ChatTemplateError(ValueError):
 
 def _raise_exception(message):
   import jinja2
-  raise jinja2.exceptions.TemplateError(message)
+
+  class Refusal(jinja2.exceptions.TemplateError):   # what transformers raises, told apart from a failure
+    pass
+  raise Refusal(message)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -129,4 +132,7 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation
     return template.render(**context)
   except jinja2.exceptions.TemplateError as err:
     roles = [m["role"] for m in chat]
-    raise ChatTemplateError(f"the model's chat template refused the conversation (roles {roles}): {err}") from err
+    if type(err).__name__ == "Refusal":
+      raise ChatTemplateError(f"the chat template refused the conversation (roles {roles}): {err}") from err
+    raise ChatTemplateError(f"the chat template failed on the conversation (roles {roles}): "
+                            f"{type(err).__name__}: {err}") from err
