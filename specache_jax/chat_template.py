@@ -14,6 +14,11 @@ import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 # The named special tokens transformers passes to a template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -22,12 +27,12 @@ class ChatTemplateError(ValueError):
   """A chat template that does not parse, or that refuses a conversation (its `raise_exception` message)."""
 
 
-def _raise_exception(message):
-  import jinja2
+class _Refusal(jinja2.exceptions.TemplateError):
+  """What a template's `raise_exception(message)` raises (a TemplateError, as in transformers)."""
 
-  class Refusal(jinja2.exceptions.TemplateError):   # what transformers raises, told apart from a failure
-    pass
-  raise Refusal(message)
+
+def _raise_exception(message):
+  raise _Refusal(message)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -49,12 +54,7 @@ class _TemplateDict:
 
 
 @functools.lru_cache(maxsize=None)
-def _environment():
-  import jinja2
-  import jinja2.ext
-  from jinja2 import nodes
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+def _environment() -> ImmutableSandboxedEnvironment:
   class Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): the body as is."""
     tags = {"generation"}
@@ -100,7 +100,6 @@ def _environment():
 @functools.lru_cache(maxsize=32)
 def compile_template(source: str):
   """The jinja2 Template of `source` (cached); ChatTemplateError when it does not parse."""
-  import jinja2
   if not isinstance(source, str) or not source:
     raise ChatTemplateError(f"a chat template must be non-empty jinja text; got {source!r}")
   try:
@@ -114,7 +113,6 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation
   """`messages` ([{"role", "content", ...}]) as the template writes them. `special_tokens` maps the names in
   SPECIAL_TOKEN_NAMES to their text; `template_kwargs` (e.g. `date_string`, `enable_thinking`) override them.
   Keys whose value is None are dropped from each message, as transformers does."""
-  import jinja2
   if not messages:
     raise ValueError("a chat needs at least one message; got none")
   chat = []
@@ -132,7 +130,7 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation
     return template.render(**context)
   except jinja2.exceptions.TemplateError as err:
     roles = [m["role"] for m in chat]
-    if type(err).__name__ == "Refusal":
+    if isinstance(err, _Refusal):
       raise ChatTemplateError(f"the chat template refused the conversation (roles {roles}): {err}") from err
     raise ChatTemplateError(f"the chat template failed on the conversation (roles {roles}): "
                             f"{type(err).__name__}: {err}") from err
