@@ -1,8 +1,9 @@
 """Tiny HF tokenizer directories, each with a model family's real chat template and special tokens.
 
 The templates are the `chat_template` strings of the public tokenizer_config.json files named beside them
-(facts, copied exactly; in Python source, so a template's own `\\n` escape is written `\\\\n`). The backend is a
-character-level BPE (printable ASCII, newline, tab, then the family's special tokens; any other character is
+(facts, copied exactly). Where the JSON holds a jinja escape (`\\\\n`, Llama 2's and Llama 3.2's) the Python
+source writes `\\\\n`; where it holds a newline (`\\n`) the source writes `\\n`. The backend is a
+character-level BPE (the family's special tokens, then printable ASCII, newline and tab; any other character is
 normalized to '?'), small enough for a random checkpoint with a 128-entry vocabulary.
 """
 from __future__ import annotations
