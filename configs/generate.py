@@ -16,7 +16,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.model = "smollm2-135m"          # registered name, .gguf file, HF or orbax directory, or "tiny-random"
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.prompt = "What is the capital of France?"
-  c.chat = True                     # wrap the prompt in the model's chat template (ChatML, Llama 3)
+  c.chat = True                     # wrap the prompt in the checkpoint's own chat template
   c.max_new_tokens = 32
   c.temperature = 0.0               # 0 = greedy
   c.top_p = 1.0

@@ -1,9 +1,11 @@
-"""Tokenizer: a `tokenizers.Tokenizer` plus the special ids and the chat format of a model.
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special ids and the chat template of a model.
 
-Built from an HF `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`) or from GGUF metadata
-(byte-level BPE: tokenizer.ggml.tokens / merges / token_type, the pre-tokenizer named by tokenizer.ggml.pre).
-BOS is added by `encode` itself (never by the backend's post-processor), only when the model asks for it and
-the text does not already start with it. Chat formats: ChatML (SmolLM2, Qwen2) and Llama 3.
+Built from an HF `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`, `chat_template.jinja`)
+or from GGUF metadata (byte-level BPE: tokenizer.ggml.tokens / merges / token_type, the pre-tokenizer named by
+tokenizer.ggml.pre, the template in tokenizer.chat_template). BOS is added by `encode` itself (never by the
+backend's post-processor), only when the model asks for it and the text does not already start with it.
+`chat` renders the checkpoint's own jinja chat template as transformers' `apply_chat_template` does
+(`specache_jax.chat_template`); a checkpoint without one needs a template passed explicitly.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
-CHAT_FORMATS = ("chatml", "llama3")
+from specache_jax import chat_template as chat_lib
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (followed by byte-level mapping without regex).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -50,43 +52,47 @@ def _ids(value: Any) -> list[int]:
   return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def chat_format_of(template: str | None, vocab: Mapping[str, int]) -> str | None:
-  """ChatML or Llama 3 from a chat template's markers, else from the special tokens in the vocabulary."""
-  for text in (template or "", " ".join(t for t in ("<|im_start|>", "<|start_header_id|>") if t in vocab)):
-    if "<|im_start|>" in text:
-      return "chatml"
-    if "<|start_header_id|>" in text:
-      return "llama3"
+def _template_text(value: Any) -> str | None:
+  """tokenizer_config.json's chat_template: one string, or [{"name", "template"}] where "default" is used."""
+  if isinstance(value, str):
+    return value or None
+  if isinstance(value, (list, tuple)):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+    return named.get("default")
   return None
 
 
-def default_system_of(template: str | None) -> str | None:
-  """A system prompt the template inserts when the conversation has none (a literal in the template)."""
-  match = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>", template or "")
-  return match.group(1) if match else None
-
-
 class Tokenizer:
-  """encode/decode/chat for one model. `backend` is a `tokenizers.Tokenizer`."""
+  """encode/decode/chat for one model. `backend` is a `tokenizers.Tokenizer`; `chat_template` the model's jinja
+  chat template (None: the checkpoint ships none); `special_tokens` the texts of its named special tokens
+  (bos_token, eos_token, ...) as the template sees them, by default those of the special ids."""
 
   def __init__(self, backend, *, bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (),
-               pad_token_id: int | None = None, add_bos: bool = False, chat_format: str | None = None,
-               default_system: str | None = None):
-    if chat_format is not None and chat_format not in CHAT_FORMATS:
-      raise ValueError(f"chat_format={chat_format!r} must be one of {CHAT_FORMATS} or None")
+               pad_token_id: int | None = None, add_bos: bool = False, chat_template: str | None = None,
+               special_tokens: Mapping[str, str] | None = None):
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+      raise ValueError(f"chat_template={chat_template!r} must be non-empty jinja text or None")
     self.backend = backend
     self.bos_token_id = bos_token_id
     self.eos_token_ids = tuple(dict.fromkeys(int(e) for e in eos_token_ids))
     self.pad_token_id = pad_token_id
     self.add_bos = bool(add_bos)
-    self.chat_format = chat_format
-    self.default_system = default_system
+    self.chat_template = chat_template
+    if special_tokens is None:
+      ids = {"bos_token": bos_token_id, "eos_token": self.eos_token_ids[0] if self.eos_token_ids else None,
+             "pad_token": pad_token_id}
+      special_tokens = {k: backend.id_to_token(int(i)) for k, i in ids.items() if i is not None}
+    unknown = sorted(set(special_tokens) - set(chat_lib.SPECIAL_TOKEN_NAMES))
+    if unknown:
+      raise ValueError(f"special_tokens names {unknown} are not among {chat_lib.SPECIAL_TOKEN_NAMES}")
+    self.special_tokens = {k: str(v) for k, v in special_tokens.items() if v is not None}
 
   # ---- construction ---------------------------------------------------------------------------------------
   @classmethod
   def from_file(cls, path: str, config_path: str | None = None, generation_config_path: str | None = None,
-                chat_format: str | None = None) -> "Tokenizer":
-    """An HF tokenizer.json, with the special tokens / BOS rule / chat template of tokenizer_config.json."""
+                chat_template: str | None = None) -> "Tokenizer":
+    """An HF tokenizer.json, with the special tokens / BOS rule / chat template of tokenizer_config.json.
+    `chat_template` given: used instead of the config's."""
     from tokenizers import Tokenizer as Backend
     if not os.path.isfile(path):
       raise FileNotFoundError(f"{path} does not exist; expected an HF tokenizer.json")
@@ -99,10 +105,11 @@ class Tokenizer:
     if generation_config_path and os.path.isfile(generation_config_path):
       with open(generation_config_path, encoding="utf-8") as f:
         gen = json.load(f)
+    specials = {k: _token_text(conf.get(k)) for k in chat_lib.SPECIAL_TOKEN_NAMES}
+    specials = {k: v for k, v in specials.items() if v is not None}
 
     def token_id(key: str) -> int | None:
-      text = _token_text(conf.get(key))
-      return None if text is None else backend.token_to_id(text)
+      return None if key not in specials else backend.token_to_id(specials[key])
 
     bos = token_id("bos_token")
     if bos is None and gen.get("bos_token_id") is not None:
@@ -112,24 +119,28 @@ class Tokenizer:
     if add_bos is None:   # no flag: does the backend's post-processor put BOS first?
       with_specials = backend.encode("a", add_special_tokens=True).ids
       add_bos = bos is not None and bool(with_specials) and with_specials[0] == bos
-    template = conf.get("chat_template")
-    template = template if isinstance(template, str) else None
     return cls(backend, bos_token_id=bos, eos_token_ids=eos, pad_token_id=token_id("pad_token"),
-               add_bos=add_bos, chat_format=chat_format or chat_format_of(template, backend.get_vocab()),
-               default_system=default_system_of(template))
+               add_bos=add_bos, chat_template=chat_template or _template_text(conf.get("chat_template")),
+               special_tokens=specials)
 
   @classmethod
-  def from_hf_dir(cls, path: str, chat_format: str | None = None) -> "Tokenizer | None":
-    """The tokenizer of an HF directory, or None when it has no tokenizer.json."""
+  def from_hf_dir(cls, path: str, chat_template: str | None = None) -> "Tokenizer | None":
+    """The tokenizer of an HF directory, or None when it has no tokenizer.json. The chat template: the
+    argument, else chat_template.jinja (as transformers prefers it), else tokenizer_config.json's."""
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
       return None
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if chat_template is None and os.path.isfile(jinja_file):
+      with open(jinja_file, encoding="utf-8") as f:
+        chat_template = f.read() or None
     return cls.from_file(file, os.path.join(path, "tokenizer_config.json"),
-                         os.path.join(path, "generation_config.json"), chat_format)
+                         os.path.join(path, "generation_config.json"), chat_template)
 
   @classmethod
-  def from_gguf_metadata(cls, fields: Mapping[str, Any], chat_format: str | None = None) -> "Tokenizer":
-    """Byte-level BPE from GGUF metadata (`tokenizer.ggml.*`, as Python values)."""
+  def from_gguf_metadata(cls, fields: Mapping[str, Any], chat_template: str | None = None) -> "Tokenizer":
+    """Byte-level BPE from GGUF metadata (`tokenizer.ggml.*`, as Python values); the chat template from
+    `tokenizer.chat_template` unless `chat_template` is given."""
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as Backend
     kind = fields.get("tokenizer.ggml.model")
@@ -149,18 +160,25 @@ class Tokenizer:
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, k in zip(tokens, types) if k == _USER_DEFINED])
     eos = [fields.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    template = fields.get("tokenizer.chat_template")
+    special_ids = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "sep_token": "seperator_token_id", "pad_token": "padding_token_id",   # llama.cpp's spelling
+                   "mask_token": "mask_token_id"}
+    specials = {name: tokens[int(fields[f"tokenizer.ggml.{key}"])] for name, key in special_ids.items()
+                if fields.get(f"tokenizer.ggml.{key}") is not None
+                and 0 <= int(fields[f"tokenizer.ggml.{key}"]) < len(tokens)}
+    template = chat_template or fields.get("tokenizer.chat_template")
     return cls(backend, bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
                eos_token_ids=[int(e) for e in eos if e is not None],
                pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-               chat_format=chat_format or chat_format_of(template, vocab), default_system=default_system_of(template))
+               chat_template=template if isinstance(template, str) and template else None,
+               special_tokens=specials)
 
   # ---- persistence (the orbax cache stores the tokenizer next to the params) -------------------------------
   def settings(self) -> dict:
     return {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids),
-            "pad_token_id": self.pad_token_id, "add_bos": self.add_bos, "chat_format": self.chat_format,
-            "default_system": self.default_system}
+            "pad_token_id": self.pad_token_id, "add_bos": self.add_bos, "chat_template": self.chat_template,
+            "special_tokens": dict(self.special_tokens)}
 
   def save(self, directory: str) -> None:
     """Write tokenizer.json + tokenizer_settings.json into `directory`."""
@@ -170,13 +188,16 @@ class Tokenizer:
 
   @classmethod
   def load(cls, directory: str) -> "Tokenizer | None":
-    """What `save` wrote, or None if the directory holds no tokenizer."""
+    """What `save` wrote, or None if the directory holds no tokenizer. Settings written before chat templates
+    (a `chat_format` name, no template) load without a template."""
     from tokenizers import Tokenizer as Backend
     settings = os.path.join(directory, "tokenizer_settings.json")
     if not os.path.isfile(settings):
       return None
     with open(settings, encoding="utf-8") as f:
       kwargs = json.load(f)
+    kwargs.pop("chat_format", None)
+    kwargs.pop("default_system", None)
     return cls(Backend.from_file(os.path.join(directory, "tokenizer.json")), **kwargs)
 
   # ---- use -------------------------------------------------------------------------------------------------
@@ -200,25 +221,15 @@ class Tokenizer:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-           chat_format: str | None = None) -> str:
-    """The prompt text for `messages` ([{"role", "content"}]) in ChatML or Llama 3 format."""
-    fmt = chat_format or self.chat_format
-    if fmt not in CHAT_FORMATS:
-      raise ValueError(f"chat_format={fmt!r}: this tokenizer has no known chat format; pass one of {CHAT_FORMATS}")
-    for m in messages:
-      if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-        raise ValueError(f"each message must be a dict with 'role' and 'content'; got {m!r}")
-    if fmt == "chatml":
-      parts = []
-      if self.default_system is not None and (not messages or messages[0]["role"] != "system"):
-        parts.append(f"<|im_start|>system\n{self.default_system}<|im_end|>\n")
-      parts += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-      if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-      return "".join(parts)
-    parts = ["<|begin_of_text|>"]
-    parts += [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
-              for m in messages]
-    if add_generation_prompt:
-      parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(parts)
+           chat_template: str | None = None, **template_kwargs) -> str:
+    """The prompt text for `messages` ([{"role", "content"}]): the model's chat template (or `chat_template`)
+    rendered as transformers' `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
+    `template_kwargs` reach the template as variables. ChatTemplateError (a ValueError) when the template
+    refuses the conversation, with the template's own message."""
+    template = chat_template or self.chat_template
+    if template is None:
+      raise ValueError("this tokenizer has no chat template (its checkpoint ships none in tokenizer_config.json, "
+                       "chat_template.jinja or the GGUF's tokenizer.chat_template); pass one as "
+                       "chat(..., chat_template=<jinja text>) or set tokenizer.chat_template")
+    return chat_lib.render(template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=self.special_tokens, **template_kwargs)

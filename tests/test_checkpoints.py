@@ -216,6 +216,23 @@ def test_load_model_caches_the_conversion_and_rebuilds_a_damaged_cache(hf, tmp_p
   assert [e.endswith("-bfloat16") for e in os.listdir(tmp_path / "env_cache")] == [True]
 
 
+def test_hf_tokenizer_and_its_chat_template_survive_the_cache(hf, tmp_path):
+  """An HF directory with a tokenizer: the template and special tokens come through load_model and its orbax
+  cache; the tokenizer's EOS joins the config's."""
+  import chat_fixtures as cf
+  path = str(tmp_path / "gemma_style")
+  shutil.copytree(hf["tied"][0], path)
+  cf.write_tokenizer("gemma", path)
+  msgs = [{"role": "user", "content": "Hi"}]
+  for _ in range(2):   # converted, then from the cache
+    model = registry.load_model(path, cache_dir=str(tmp_path / "cache"))
+    tok = model.tokenizer
+    assert tok.chat_template == cf.GEMMA and tok.special_tokens["bos_token"] == "<bos>"
+    assert tok.chat(msgs) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert model.config.eos_token_ids == (2, 1) and tok.encode(tok.chat(msgs)).count(tok.bos_token_id) == 1
+  assert len(os.listdir(tmp_path / "cache")) == 1
+
+
 def test_unknown_names_list_the_registered_ones(tmp_path):
   with pytest.raises(CheckpointError, match="smollm2-135m"):
     registry.load_model("no-such-model")

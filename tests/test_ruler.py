@@ -37,7 +37,8 @@ def smollm2_tok():
   """SmolLM2's tokenizer: from the converted-model cache when there is one (fast), else from the GGUF."""
   from specache_jax.checkpoints import registry
   from specache_jax.tokenizer import Tokenizer
-  cached = sorted(glob.glob(os.path.join(registry.cache_root(None), "smollm2-135m-*", "tokenizer.json")))
+  cached = sorted(glob.glob(os.path.join(registry.cache_root(None), f"smollm2-135m-{registry.CACHE_VERSION}-*",
+                                         "tokenizer.json")))
   if cached:
     return Tokenizer.load(os.path.dirname(cached[-1]))
   from specache_jax.checkpoints.gguf import open_reader, read_fields

@@ -1,5 +1,6 @@
-"""Tokenizer: SmolLM2's from GGUF metadata (round trip, digits, specials, ChatML) against transformers' own
-GGUF-derived tokenizer; tokenizer.json + tokenizer_config.json loading; Llama 3 chat; persistence."""
+"""Tokenizer: SmolLM2's from GGUF metadata (round trip, digits, specials, its chat template) against
+transformers' own GGUF-derived tokenizer; tokenizer.json + tokenizer_config.json loading; Llama 3 chat;
+persistence. Every family's template against transformers: test_chat_templates.py."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import pytest
 from specache_jax.checkpoints import registry
 from specache_jax.checkpoints.gguf import open_reader, read_fields
 from specache_jax.tokenizer import Tokenizer
+import chat_fixtures as cf
 
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 TEXTS = ["The capital of France is", "In 1984, 12345 people paid $3.50 each.",
@@ -56,9 +58,11 @@ def test_special_tokens_and_bos_rule(tok):
   assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
 
 
-def test_chatml_with_the_templates_default_system_prompt(tok):
+def test_chatml_with_the_templates_default_system_prompt(tok, fields):
   msgs = [{"role": "user", "content": "What is 2+2?"}]
-  assert tok.chat_format == "chatml" and tok.default_system == SMOL_SYSTEM
+  assert tok.chat_template == fields["tokenizer.chat_template"] == cf.SMOLLM2
+  assert tok.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
   assert tok.chat(msgs) == (f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
                             "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
   with_system = [{"role": "system", "content": "Be brief."}] + msgs
@@ -94,7 +98,9 @@ def test_tokenizer_json_with_config_files(tok, fields, tmp_path):
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
   loaded = Tokenizer.from_hf_dir(str(tmp_path))
   assert (loaded.bos_token_id, loaded.eos_token_ids, loaded.pad_token_id, loaded.add_bos) == (1, (2, 0), 0, True)
-  assert loaded.chat_format == "chatml" and loaded.default_system == SMOL_SYSTEM
+  assert loaded.chat_template == fields["tokenizer.chat_template"]
+  assert loaded.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+  assert loaded.chat([{"role": "user", "content": "Hi"}]).startswith(f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>")
   assert loaded.encode("Hi 42") == [1] + tok.encode("Hi 42")
   assert Tokenizer.from_hf_dir(str(tmp_path / "nothing")) is None
 
@@ -119,11 +125,10 @@ def _llama3_style_backend():
 def test_llama3_format_and_bos_detected_from_the_post_processor(tmp_path):
   _llama3_style_backend().save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-      "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-      "chat_template": "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"}))
+      "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": cf.LLAMA3}))
   tok = Tokenizer.from_hf_dir(str(tmp_path))
   bos, eot = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|eot_id|>")
-  assert tok.add_bos and tok.bos_token_id == bos and tok.eos_token_ids == (eot,) and tok.chat_format == "llama3"
+  assert tok.add_bos and tok.bos_token_id == bos and tok.eos_token_ids == (eot,) and tok.chat_template == cf.LLAMA3
   text = tok.chat([{"role": "system", "content": "Be kind. "}, {"role": "user", "content": "hello"}])
   assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe kind.<|eot_id|>"
                   "<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
@@ -131,7 +136,7 @@ def test_llama3_format_and_bos_detected_from_the_post_processor(tmp_path):
   ids = tok.encode(text)
   assert ids[0] == bos and ids.count(bos) == 1 and ids.count(eot) == 2
   assert tok.encode("hello world")[0] == bos and tok.encode("hello world", add_bos=False)[0] != bos
-  assert tok.chat([{"role": "user", "content": "x"}], chat_format="chatml").startswith("<|im_start|>user")
+  assert tok.chat([{"role": "user", "content": "x"}], chat_template=cf.QWEN2).startswith("<|im_start|>system")
 
 
 def test_save_and_load_keep_everything(tok, tmp_path):
@@ -155,8 +160,8 @@ def test_pre_tokenizers_and_unsupported_metadata(fields):
     Tokenizer.from_gguf_metadata({**fields, "tokenizer.ggml.pre": "mystery"})
   with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'"):
     Tokenizer.from_gguf_metadata({**fields, "tokenizer.ggml.model": "llama"})
-  no_chat = Tokenizer.from_gguf_metadata({k: v for k, v in fields.items() if k != "tokenizer.chat_template"},
-                                         chat_format=None)
-  assert no_chat.chat_format == "chatml" and no_chat.default_system is None   # from the vocabulary
-  with pytest.raises(ValueError, match="chat_format"):
-    Tokenizer(no_chat.backend).chat([{"role": "user", "content": "hi"}])
+  no_chat = Tokenizer.from_gguf_metadata({k: v for k, v in fields.items() if k != "tokenizer.chat_template"})
+  assert no_chat.chat_template is None   # no template is guessed from the vocabulary
+  with pytest.raises(ValueError, match="no chat template"):
+    no_chat.chat([{"role": "user", "content": "hi"}])
+  assert no_chat.chat([{"role": "user", "content": "hi"}], chat_template=cf.QWEN2).endswith("<|im_start|>assistant\n")

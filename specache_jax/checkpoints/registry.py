@@ -26,7 +26,7 @@ from specache_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "SPECACHE_JAX_CACHE"
-CACHE_VERSION = "v1"   # bump when the conversion changes, so old cache entries are not reused
+CACHE_VERSION = "v2"   # bump when the conversion changes, so old cache entries are not reused
 
 
 @dataclasses.dataclass(frozen=True)

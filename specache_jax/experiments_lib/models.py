@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax import chat_template
 from specache_jax.api import generate
 from specache_jax.arrays import DTYPES
 from specache_jax.checkpoints.registry import Model, load_model
@@ -22,10 +23,18 @@ from specache_jax.model.init import init_params
 TINY_PREFIX = "tiny-random"
 
 
+# Plain ChatML (no default system turn), written out character by character.
+CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                   "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
+
+
 class CharTokenizer:
-  """One id per ASCII character (others become '?'); ChatML written out as plain text; EOS = id 0 (NUL)."""
+  """One id per ASCII character (others become '?'); a ChatML chat template written out as plain text;
+  EOS = id 0 (NUL)."""
   vocab_size = 128
   eos_id = 0
+  chat_template = CHATML_TEMPLATE
 
   def encode(self, text: str) -> list[int]:
     return [ord(c) if 0 < ord(c) < 128 else ord("?") for c in text]
@@ -35,8 +44,7 @@ class CharTokenizer:
     return "".join(chr(int(i)) for i in ids if 0 < int(i) < 128)
 
   def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    return chat_template.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt)
 
 
 def tiny_random(seed: int = 0, dtype=jnp.float32, max_position: int = 4096) -> Model:
