@@ -5,7 +5,7 @@ truncated, bit-flipped or inflated header (a tensor claiming terabytes, a dimens
 the end, a string or array longer than the file, overlapping or duplicated tensors) raises CheckpointError naming
 the file, the tensor or key, and the bad value. Only headers are read: the data of a tensor is trusted once its
 byte range lies inside the file, and a bit flip inside tensor data cannot be detected (neither format carries
-checksums).
+checksums), nor can a GGUF type changed to another of the same size (F16 <-> BF16).
 """
 from __future__ import annotations
 
@@ -273,4 +273,15 @@ def _parse_gguf(file: str, buf, quant_sizes, quant_types) -> GGUFHeader:
     nbytes = math.prod(dims) // block * type_size
     tensors[name] = TensorInfo(name, qtype.name, tuple(reversed(dims)), data_offset + offset, nbytes)
   _check_disjoint(file, list(tensors.values()), len(buf))
+  expect = 0   # llama.cpp's rule: tensors packed in header order, each padded to the alignment
+  for name, _, _, offset in pending:
+    if offset != expect:
+      raise _corrupt(file, f"tensor {name!r} has offset={offset}; expected {expect} (tensors are packed in "
+                           f"header order, each padded to {alignment} bytes)")
+    expect += -(-tensors[name].nbytes // alignment) * alignment
+  if pending:
+    last = tensors[pending[-1][0]]
+    if not last.begin + last.nbytes <= len(buf) <= data_offset + expect:
+      raise _corrupt(file, f"the file has {len(buf)} bytes; its last tensor {last.name!r} ends at byte "
+                           f"{last.begin + last.nbytes} (padded: {data_offset + expect})")
   return GGUFHeader(order, version, keys, alignment, data_offset, tensors)

@@ -114,6 +114,8 @@ class TensorReader:
   def __init__(self, files: dict[str, str], root: str = ""):
     self.files = files
     self.root = root
+    single = sorted(set(files.values()))
+    self.where = single[0] if len(single) == 1 else f"the checkpoint {root}"   # what error messages name
     headers = {file: safetensors_header(file) for file in sorted(set(files.values()))}
     self.infos = {}
     for name, file in files.items():
@@ -125,8 +127,7 @@ class TensorReader:
     """Every expected tensor present with its stored shape and a float dtype, before any data is read."""
     for name, shape in expected.items():
       if name not in self.infos:
-        raise CheckpointError(f"the checkpoint {self.root} is missing tensor {name!r} (expected shape "
-                              f"{list(shape)})")
+        raise CheckpointError(f"{self.where} is missing tensor {name!r} (expected shape {list(shape)})")
       info = self.infos[name]
       if info.shape != tuple(shape):
         raise CheckpointError(f"tensor {name!r} in {self.files[name]} has shape {list(info.shape)}; expected "

@@ -129,7 +129,10 @@ def check_stored(directory: str, cfg: ModelConfig, saved: np.dtype) -> None:
   finally:
     checkpointer.close()
   tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-  found = _flat(dict(tree) if hasattr(tree, "keys") else tree)
+  if not hasattr(tree, "keys"):
+    raise CheckpointError(f"{directory}/params has no array metadata (orbax read {type(tree).__name__}; damaged "
+                          "or missing _METADATA / manifest?)")
+  found = _flat(dict(tree))
   if set(found) != set(want):
     raise CheckpointError(f"{directory}/params holds {sorted(found)[:20]}; the config needs {sorted(want)}")
   for key, shape in want.items():
