@@ -256,56 +256,76 @@ def _orbax_files(directory: str) -> list[str]:
 
 
 @st.composite
-def _orbax_corruption(draw, directory: str):
-  """-> (a function damaging a copy of the directory, whether tensor data alone may have changed)."""
-  files = _orbax_files(directory)
+def _orbax_corruption(draw, files: list[str], sizes: dict[str, int], marker: dict, tree_keys: list[str]):
+  """A corruption of a copy of the pristine orbax directory, as a small tuple."""
   kind = draw(st.sampled_from(["truncate", "flip", "delete", "config", "dtype", "metadata"]))
-  if kind in ("config", "dtype"):
-    meta = json.load(open(os.path.join(directory, orbax_io.MARKER)))
-    if kind == "config":
-      key = draw(st.sampled_from(sorted(meta["config"])))
-      meta["config"][key] = draw(st.sampled_from(HOSTILE_JSON + [10**6, 10**12, 2**40 + 1]))
-    else:
-      meta["dtype"] = draw(st.sampled_from([["bfloat16"], ["int8"], [], ["float32", "float16"], "float32", [3]]))
-    text = json.dumps(meta)
-    return lambda d: open(os.path.join(d, orbax_io.MARKER), "w").write(text), False
+  if kind == "config":
+    return kind, draw(st.sampled_from(sorted(marker["config"]))), draw(st.sampled_from(
+        HOSTILE_JSON + [10**6, 10**12, 2**40 + 1]))
+  if kind == "dtype":
+    return kind, draw(st.sampled_from([["bfloat16"], ["int8"], [], ["float32", "float16"], "float32", [3]]))
   if kind == "metadata":   # orbax's own tree metadata: an array's recorded write shape
-    meta = json.load(open(os.path.join(directory, "params", "_METADATA")))
-    key = draw(st.sampled_from(sorted(meta["tree_metadata"])))
-    value = meta["tree_metadata"][key]["value_metadata"]
-    value["write_shape"] = draw(st.lists(st.sampled_from(HOSTILE_JSON + HOSTILE_U64), max_size=4))
-    text = json.dumps(meta)
-    return lambda d: open(os.path.join(d, "params", "_METADATA"), "w").write(text), False
+    return kind, draw(st.sampled_from(tree_keys)), draw(st.lists(st.sampled_from(HOSTILE_JSON + HOSTILE_U64),
+                                                                   max_size=4))
   name = draw(st.sampled_from(files))
-  size = os.path.getsize(os.path.join(directory, name))
   if kind == "delete":
-    return lambda d: os.remove(os.path.join(d, name)), False
+    return kind, name
   if kind == "truncate":
-    cut = draw(st.integers(0, max(size - 1, 0)))
-    return lambda d: os.truncate(os.path.join(d, name), cut), False
-  flips = draw(_flips(max(size, 1), max(min(size, 64), 1)))
+    return kind, name, draw(st.integers(0, max(sizes[name] - 1, 0)))
+  return kind, name, draw(_flips(max(sizes[name], 1), max(min(sizes[name], 64), 1)))
 
-  def flip(d):
-    file = os.path.join(d, name)
+
+def _orbax_apply(corruption: tuple, directory: str) -> None:
+  kind, *args = corruption
+  if kind in ("config", "dtype"):
+    with open(os.path.join(directory, orbax_io.MARKER)) as f:
+      meta = json.load(f)
+    if kind == "config":
+      meta["config"][args[0]] = args[1]
+    else:
+      meta["dtype"] = args[0]
+    with open(os.path.join(directory, orbax_io.MARKER), "w") as f:
+      json.dump(meta, f)
+    return
+  if kind == "metadata":
+    file = os.path.join(directory, "params", "_METADATA")
+    with open(file) as f:
+      meta = json.load(f)
+    meta["tree_metadata"][args[0]]["value_metadata"]["write_shape"] = args[1]
+    with open(file, "w") as f:
+      json.dump(meta, f)
+    return
+  file = os.path.join(directory, args[0])
+  if kind == "delete":
+    os.remove(file)
+  elif kind == "truncate":
+    os.truncate(file, args[1])
+  else:
     with open(file, "rb") as f:
       raw = f.read()
     if raw:
       with open(file, "wb") as f:
-        f.write(_flip(raw, flips))
-  return flip, "/d/" in f"/{name}"
+        f.write(_flip(raw, args[1]))
 
 
 @hypothesis.settings(max_examples=90, **SETTINGS)
 @hypothesis.given(st.data())
 def test_corrupted_orbax_directories_load_identically_or_are_refused(pristine, tmp_path, data):
-  damage, data_only = data.draw(_orbax_corruption(pristine["orbax_dir"]))
+  source = pristine["orbax_dir"]
+  files = _orbax_files(source)
+  with open(os.path.join(source, orbax_io.MARKER)) as f:
+    marker = json.load(f)
+  with open(os.path.join(source, "params", "_METADATA")) as f:
+    tree_keys = sorted(json.load(f)["tree_metadata"])
+  corruption = data.draw(_orbax_corruption(files, {n: os.path.getsize(os.path.join(source, n)) for n in files},
+                                           marker, tree_keys))
   path = tmp_path / "orbax"
   shutil.rmtree(path, ignore_errors=True)
-  shutil.copytree(pristine["orbax_dir"], path)
-  damage(str(path))
+  shutil.copytree(source, path)
+  _orbax_apply(corruption, str(path))
   loaded = _load_or_refuse(lambda: orbax_io.restore(str(path))[:2], str(path))
-  if loaded is not None and data_only:   # a flip inside a compressed chunk: same config, shapes checked above
-    assert loaded[0] == hx.CFG
+  if loaded is not None and corruption[0] in ("flip", "truncate", "delete") and "/d/" in f"/{corruption[1]}":
+    assert loaded[0] == hx.CFG   # a flip inside a compressed chunk: same config, shapes checked above
 
 
 # ---- named cases: the message for each hostile header ---------------------------------------------------------
@@ -421,3 +441,42 @@ def test_hostile_orbax_markers_name_the_value(pristine, tmp_path, case):
   with hx.bounded(), pytest.raises(CheckpointError, match=message) as err:
     orbax_io.restore(str(path))
   assert str(path) in str(err.value)
+
+
+def test_sharded_index_pointing_at_the_wrong_shard_or_outside_the_directory(pristine, tmp_path):
+  from safetensors.numpy import load, save
+  path = shutil.copytree(pristine["hf_dir"], tmp_path / "hf")
+  tensors = load(pristine["st_bytes"])
+  os.remove(path / "model.safetensors")
+  names = sorted(tensors)
+  halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+  for shard, members in halves.items():
+    (path / shard).write_bytes(save({n: tensors[n] for n in members}))
+  weight_map = {n: shard for shard, members in halves.items() for n in members}
+  index = path / "model.safetensors.index.json"
+  index.write_text(json.dumps({"weight_map": weight_map}))
+  cfg, params = load_hf(str(path))
+  assert _differing(params, pristine["params"]) == 0
+  index.write_text(json.dumps({"weight_map": {**weight_map, "model.norm.weight": "a.safetensors"}}))
+  with pytest.raises(CheckpointError, match=r"lists tensor 'model\.norm\.weight' in \S+a\.safetensors, whose "
+                                            r"header lacks it"):
+    load_hf(str(path))
+  index.write_text(json.dumps({"weight_map": {**weight_map, "model.norm.weight": "../b.safetensors"}}))
+  with pytest.raises(CheckpointError, match=r"maps tensors to \['\.\./b\.safetensors'\]; expected shard file "
+                                            r"names"):
+    load_hf(str(path))
+
+
+def test_a_config_claiming_billions_of_layers_is_refused_before_listing_their_tensors(pristine, tmp_path):
+  path = shutil.copytree(pristine["hf_dir"], tmp_path / "hf")
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**12}))
+  with hx.bounded(), pytest.raises(CheckpointError, match=r"model\.safetensors: the config's n_layers="
+                                                          r"1000000000000 needs 9000000000000 layer tensors"):
+    load_hf(str(path))
+  blob = bytearray(pristine["gguf_bytes"])
+  at = {what: pos for what, pos, _ in pristine["gguf_fields"]}
+  struct.pack_into("<I", blob, at["llama.block_count type"] + 4, 2**32 - 1)   # the u32 value after its type
+  (tmp_path / "bad.gguf").write_bytes(bytes(blob))
+  with hx.bounded(), pytest.raises(CheckpointError, match=r"bad\.gguf: the config's n_layers=4294967295 needs"):
+    load_gguf(str(tmp_path / "bad.gguf"))

@@ -15,7 +15,7 @@ import numpy as np
 
 from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
 from specache_jax.checkpoints.headers import TensorInfo, gguf_header
-from specache_jax.checkpoints.hf import assemble, expected_tensors
+from specache_jax.checkpoints.hf import assemble, check_layer_count, expected_tensors
 from specache_jax.errors import ConfigError
 from specache_jax.model.config import ModelConfig, RopeScaling
 
@@ -188,6 +188,7 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str,
   except (TypeError, ValueError, OverflowError, ZeroDivisionError) as err:   # a value of the wrong kind
     raise CheckpointError(f"{path}: the GGUF metadata does not describe a model: {type(err).__name__}: "
                           f"{err}") from err
+  check_layer_count(cfg, len(header.tensors), path)
   check_tensors(path, header.tensors, expected_tensors(cfg, LAYER_TENSORS, TOP_TENSORS))
   permuted = ARCHITECTURES[fields["general.architecture"]][1]
   q_heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}

@@ -170,6 +170,14 @@ def _plan(cfg: ModelConfig, layer_names: dict, top_names: dict) -> list[tuple[st
   return plan
 
 
+def check_layer_count(cfg: ModelConfig, n_tensors: int, where: str) -> None:
+  """A config claiming more layers than the checkpoint holds tensors for is refused before any name is listed."""
+  needed = cfg.n_layers * len(param_shapes(cfg)["layers"])
+  if needed > n_tensors:
+    raise CheckpointError(f"{where}: the config's n_layers={cfg.n_layers} needs {needed} layer tensors; the "
+                          f"checkpoint holds {n_tensors} tensors in all")
+
+
 def expected_tensors(cfg: ModelConfig, layer_names: dict, top_names: dict) -> dict[str, tuple[int, ...]]:
   """Stored tensor name -> stored shape, for every tensor `cfg` needs."""
   return {name: stored for _, names, stored, _ in _plan(cfg, layer_names, top_names) for name in names}
@@ -195,6 +203,7 @@ def load_hf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict]:
   resolve_dtype(dtype)
   cfg = read_config(path)
   reader = TensorReader(weight_files(path), path)
+  check_layer_count(cfg, len(reader.infos), reader.where)
   expected = expected_tensors(cfg, LAYER_TENSORS, TOP_TENSORS)
   reader.check(expected)   # names, shapes and dtypes of everything, before any tensor data is read
   unused = sorted(n for n in reader.files if n not in expected and not IGNORED.match(n)

@@ -83,7 +83,7 @@ def read_meta(directory: str) -> dict[str, Any]:
   try:
     with open(marker, encoding="utf-8") as f:
       meta = json.load(f)
-  except (OSError, json.JSONDecodeError) as err:
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
     raise CheckpointError(f"{marker} is not valid JSON: {err}") from err
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     found = meta.get("format") if isinstance(meta, dict) else meta
