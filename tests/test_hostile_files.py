@@ -8,9 +8,14 @@ an address-space limit 1 GiB above what the process maps and a time limit (`boun
 - loads params whose every shape is `param_shapes` of the config it returns (never a silent wrong shape), with the
   data equal to the pristine load except where the corruption touched tensor data: a bit flip inside tensor data
   cannot be detected (neither safetensors, GGUF nor orbax's zstd chunks carry checksums), so such a flip loads,
-  with at most the elements around the flipped byte changed (one for float32, one Q8_0 block of 32).
+  with at most the elements around the flipped byte changed (one for float32, one Q8_0 block of 32). A GGUF type
+  changed to another of the same byte size (F16 <-> BF16) would be as undetectable; the generated corruptions
+  cannot reach one.
 
-Named cases then pin the message for each hostile header the issue lists.
+The corruptions: truncation at any byte, 1-4 bit flips (half in the header), and structured header edits (a
+dimension, dtype, offset, count, length or type set to 0, 2**32, 2**63, 2**64 - 1, another tensor's offset, ...;
+a tensor dropped, duplicated or renamed; config.json and the orbax marker's fields set to hostile JSON values;
+orbax files deleted or truncated). Named cases then pin the message for each hostile header the issue lists.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from specache_jax.checkpoints.hf import load_hf
 from specache_jax.errors import ConfigError
 from specache_jax.model.init import param_shapes
 
+# A failed orbax restore leaves its coroutines and event loop behind (orbax's own "Exception ignored" noise).
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 HOSTILE_U64 = [0, 1, 2, 7, 31, 32, 33, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
@@ -57,11 +64,11 @@ def pristine(tmp_path_factory):
   orbax_dir = orbax_io.save(str(root / "orbax"), hx.CFG, jax.tree.map(jax.numpy.asarray, params))
   orbax_io.restore(orbax_dir)   # warm up orbax / tensorstore (threads, pools) outside the memory limit
   fields, gguf_data = hx.gguf_fields(gguf_file)
-  with open(os.path.join(hf_dir, "model.safetensors"), "rb") as f:
-    st_bytes = f.read()
-  return _Pristine(params=params, hf_dir=hf_dir, st_bytes=st_bytes, st_data=8 + struct.unpack("<Q", st_bytes[:8])[0],
-              gguf_file=gguf_file, gguf_bytes=open(gguf_file, "rb").read(), gguf_fields=fields,
-              gguf_data=gguf_data, gguf_cfg=cfg_g, gguf_params=params_g, orbax_dir=orbax_dir)
+  st_bytes = (root / "hf" / "model.safetensors").read_bytes()
+  return _Pristine(params=params, hf_dir=hf_dir, st_bytes=st_bytes,
+                   st_data=8 + struct.unpack("<Q", st_bytes[:8])[0], gguf_file=gguf_file,
+                   gguf_bytes=(root / "m.gguf").read_bytes(), gguf_fields=fields, gguf_data=gguf_data,
+                   gguf_cfg=cfg_g, gguf_params=params_g, orbax_dir=orbax_dir)
 
 
 def _cause_chain(err: BaseException) -> list[BaseException]:
@@ -184,6 +191,19 @@ def test_corrupted_safetensors_load_identically_or_are_refused(pristine, tmp_pat
     in_data = [f for f in flips if f[0] % len(blob) >= start]
     # float32 data: a flip changes one element; a header change that loads (e.g. inside __metadata__) none
     assert changed <= len(in_data), f"{changed} elements changed by {len(in_data)} flips in tensor data"
+
+
+@hypothesis.settings(max_examples=60, **SETTINGS)
+@hypothesis.given(key=st.sampled_from(sorted(hx.hf_config())), value=st.sampled_from(
+    HOSTILE_JSON + [10**6, 10**12, 2**40 + 1, -7, "silu", "gelu", {"rope_type": "yarn"}]))
+def test_hostile_config_json_values_are_refused_or_load_consistent_shapes(pristine, tmp_path, key, value):
+  path = tmp_path / "hf"
+  if not path.exists():
+    shutil.copytree(pristine["hf_dir"], path)
+  (path / "config.json").write_text(json.dumps({**hx.hf_config(), key: value}))
+  loaded = _load_or_refuse(lambda: load_hf(str(path)), str(path))
+  if loaded is not None:   # a value that leaves the shapes alone (eps, theta, ids, ...) loads the same tensors
+    assert _differing(loaded[1], pristine["params"]) == 0
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------------------
