@@ -56,6 +56,15 @@ def _stored(params: dict, layer_names: dict, top_names: dict, n_layers: int) -> 
   return out
 
 
+def tiny_tokenizer(cfg: ModelConfig = CFG):
+  """A byte-less BPE tokenizer over `cfg.vocab_size` made-up tokens (what an orbax model directory saves)."""
+  from tokenizers import Tokenizer as Backend, models
+  from specache_jax.tokenizer import Tokenizer
+  vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
+  return Tokenizer(Backend(models.BPE(vocab=vocab, merges=[])), bos_token_id=cfg.bos_token_id,
+                   eos_token_ids=cfg.eos_token_ids)
+
+
 def write_hf(directory: str, params: dict, cfg: ModelConfig = CFG) -> str:
   """config.json + model.safetensors (float32) in `directory`."""
   from safetensors.numpy import save_file

@@ -61,7 +61,8 @@ def pristine(tmp_path_factory):
   hf_dir = hx.write_hf(str(root / "hf"), params)
   gguf_file = hx.write_gguf(str(root / "m.gguf"), params)
   cfg_g, params_g, _ = load_gguf(gguf_file)
-  orbax_dir = orbax_io.save(str(root / "orbax"), hx.CFG, jax.tree.map(jax.numpy.asarray, params))
+  orbax_dir = orbax_io.save(str(root / "orbax"), hx.CFG, jax.tree.map(jax.numpy.asarray, params),
+                            hx.tiny_tokenizer())
   orbax_io.restore(orbax_dir)   # warm up orbax / tensorstore (threads, pools) outside the memory limit
   fields, gguf_data = hx.gguf_fields(gguf_file)
   st_bytes = (root / "hf" / "model.safetensors").read_bytes()

@@ -172,4 +172,9 @@ def restore(directory: str, dtype=None) -> tuple[ModelConfig, dict, Any, str]:
                             f"expected {want}")
   if dtype is not None and resolve_dtype(dtype) != saved:
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(resolve_dtype(dtype))), params)
-  return cfg, params, Tokenizer.load(directory), meta.get("source", "")
+  try:
+    tokenizer = Tokenizer.load(directory)
+  except Exception as err:  # noqa: BLE001 (json, the tokenizers library and the settings raise many types)
+    raise CheckpointError(f"{directory}: the saved tokenizer (tokenizer.json, tokenizer_settings.json) cannot be "
+                          f"loaded: {type(err).__name__}: {err}") from err
+  return cfg, params, tokenizer, meta.get("source", "")
