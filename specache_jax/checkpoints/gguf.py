@@ -2,7 +2,9 @@
 
 GGUF lists dimensions innermost first, so a linear weight with ne = [in, out] reads as a numpy [out, in] matrix
 (the HF layout, transposed to [in, out] here). llama.cpp's converter permutes the Q and K rows of `llama`
-models per head for its interleaved RoPE; they are put back into HF's rotate-half order on load.
+models per head for its interleaved RoPE; they are put back into HF's rotate-half order on load. The header is
+checked against the file's size (headers.py) before the `gguf` reader sees it, and every tensor's name, shape and
+type against the config before any tensor is dequantized.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
-from specache_jax.checkpoints.hf import assemble
+from specache_jax.checkpoints.headers import TensorInfo, gguf_header
+from specache_jax.checkpoints.hf import assemble, check_layer_count, expected_tensors
 from specache_jax.errors import ConfigError
 from specache_jax.model.config import ModelConfig, RopeScaling
 
@@ -41,19 +44,51 @@ TOP_TENSORS = {
 
 
 def open_reader(path: str):
-  """A gguf.GGUFReader for `path`, with CheckpointError for a missing or unreadable file."""
+  """A gguf.GGUFReader for `path`, with CheckpointError for a missing, truncated or corrupt file."""
+  return open_checked(path)[0]
+
+
+def open_checked(path: str):
+  """-> (gguf.GGUFReader, headers.GGUFHeader). The header is checked first (`headers.gguf_header`): the reader
+  itself loops over counts a corrupt header can inflate to 2**64 and makes views past the end of the file."""
   from gguf import GGUFReader
   if not os.path.isfile(path):
     raise CheckpointError(f"{path} does not exist; expected a GGUF model file")
+  header = gguf_header(path)
   try:
-    return GGUFReader(path)
+    reader = GGUFReader(path)
   except Exception as err:  # the reader raises ValueError / struct errors / IndexError on bad files
     raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {err}") from err
+  for t in reader.tensors:   # the reader and the checked header must agree on where every tensor lies
+    info = header.tensors.get(t.name)
+    if info is None or info.begin != t.data_offset or info.nbytes != t.data.nbytes:
+      raise CheckpointError(f"{path}: the gguf reader places tensor {t.name!r} at byte {t.data_offset} "
+                            f"({t.data.nbytes} bytes); its checked header says {info}")
+  return reader, header
 
 
 def read_fields(reader) -> dict[str, Any]:
   """All metadata of a reader as Python values (strings, numbers, lists)."""
   return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+# GGML types whose values are integers, not weights (the rest are floats or quantized floats)
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def check_tensors(path: str, tensors: dict[str, TensorInfo], expected: Mapping[str, tuple[int, ...]]) -> None:
+  """Every expected tensor present with its numpy shape and a float or quantized type, and nothing else."""
+  for name, shape in expected.items():
+    if name not in tensors:
+      raise CheckpointError(f"{path} is missing tensor {name!r} (expected numpy shape {list(shape)})")
+    info = tensors[name]
+    if info.shape != tuple(shape):
+      raise CheckpointError(f"tensor {name!r} in {path} has shape {list(info.shape)}; expected {list(shape)}")
+    if info.dtype in INTEGER_TYPES:
+      raise CheckpointError(f"tensor {name!r} in {path} has type {info.dtype}; expected a float or quantized type")
+  unused = sorted(set(tensors) - set(expected))
+  if unused:
+    raise CheckpointError(f"{path} has tensors this decoder does not use: {unused[:5]} (an unsupported variant)")
 
 
 def _tidy(value: float) -> float:
@@ -72,12 +107,20 @@ def from_gguf_metadata(fields: Mapping[str, Any], tensor_names: Sequence[str] = 
     if required and value is None:
       raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
     if isinstance(value, (list, tuple)):
-      raise CheckpointError(f"GGUF metadata {arch}.{key}={value!r} varies per layer; expected one number")
+      raise CheckpointError(f"GGUF metadata {arch}.{key}={value!r:.200} varies per layer; expected one number")
+    if value is not None and not isinstance(value, (int, float, str)):
+      raise CheckpointError(f"GGUF metadata {arch}.{key}={value!r:.200} has type {type(value).__name__}")
     return value
 
-  n_heads = int(get("attention.head_count", required=True))
-  dim = int(get("embedding_length", required=True))
-  head_dim = int(get("attention.key_length", dim // n_heads))
+  def count(key: str, default: Any = None, required: bool = False) -> int:
+    value = get(key, default, required)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise CheckpointError(f"GGUF metadata {arch}.{key}={value!r:.200} must be a positive integer")
+    return value
+
+  n_heads = count("attention.head_count", required=True)
+  dim = count("embedding_length", required=True)
+  head_dim = count("attention.key_length", dim // n_heads)
   rope_dims = get("rope.dimension_count")
   if rope_dims is not None and int(rope_dims) != head_dim:
     raise ConfigError(f"{arch}.rope.dimension_count={rope_dims} differs from head_dim={head_dim}: partial "
@@ -90,23 +133,23 @@ def from_gguf_metadata(fields: Mapping[str, Any], tensor_names: Sequence[str] = 
   else:
     raise ConfigError(f"{arch}.rope.scaling.type={scaling_type!r} is not supported; expected none or linear")
   tokens = fields.get("tokenizer.ggml.tokens")
-  vocab = get("vocab_size", len(tokens) if tokens else None, required=True)
+  vocab = count("vocab_size", len(tokens) if tokens else None, required=True)
   eos = [fields.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
   eos_ids = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
   bos = fields.get("tokenizer.ggml.bos_token_id")
   return ModelConfig(
       architecture=ARCHITECTURES[arch][0],
-      vocab_size=int(vocab),
+      vocab_size=vocab,
       dim=dim,
-      n_layers=int(get("block_count", required=True)),
+      n_layers=count("block_count", required=True),
       n_heads=n_heads,
-      n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+      n_kv_heads=count("attention.head_count_kv", n_heads),
       head_dim=head_dim,
-      ffn_dim=int(get("feed_forward_length", required=True)),
+      ffn_dim=count("feed_forward_length", required=True),
       norm_eps=_tidy(get("attention.layer_norm_rms_epsilon", 1e-5)),
       rope_theta=_tidy(get("rope.freq_base", 10000.0)),
       rope_scaling=scaling,
-      max_position=int(get("context_length", 4096)),
+      max_position=count("context_length", 4096),
       tie_embeddings="output.weight" not in tensor_names,
       qkv_bias="blk.0.attn_q.bias" in tensor_names,
       bos_token_id=None if bos is None else int(bos),
@@ -132,24 +175,26 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str,
   """A .gguf file -> (ModelConfig, params as jax arrays of `dtype`, all metadata fields (tokenizer included))."""
   from gguf import quants
   resolve_dtype(dtype)
-  reader = open_reader(path)
+  reader, header = open_checked(path)
   fields = read_fields(reader)
   tensors = {t.name: t for t in reader.tensors}
   if "rope_freqs.weight" in tensors:
     raise CheckpointError(f"{path} stores RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling), "
                           "which this GGUF loader does not support; load the HF directory instead")
-  cfg = from_gguf_metadata(fields, tuple(tensors), name=os.path.splitext(os.path.basename(path))[0])
+  try:
+    cfg = from_gguf_metadata(fields, tuple(tensors), name=os.path.splitext(os.path.basename(path))[0])
+  except (ConfigError, CheckpointError) as err:
+    raise type(err)(f"{path}: {err}") from err
+  except (TypeError, ValueError, OverflowError, ZeroDivisionError) as err:   # a value of the wrong kind
+    raise CheckpointError(f"{path}: the GGUF metadata does not describe a model: {type(err).__name__}: "
+                          f"{err}") from err
+  check_layer_count(cfg, len(header.tensors), path)
+  check_tensors(path, header.tensors, expected_tensors(cfg, LAYER_TENSORS, TOP_TENSORS))
   permuted = ARCHITECTURES[fields["general.architecture"]][1]
   q_heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}
-  used = set()
 
   def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in tensors:
-      raise CheckpointError(f"{path} is missing tensor {name!r} (expected numpy shape {list(shape)})")
     t = tensors[name]
-    found = tuple(int(d) for d in reversed(t.shape))
-    if found != tuple(shape):
-      raise CheckpointError(f"tensor {name!r} in {path} has shape {list(found)}; expected {list(shape)}")
     try:
       w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
     except Exception as err:
@@ -157,11 +202,6 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[ModelConfig, dict, dict[str,
     suffix = name.split(".", 2)[-1]
     if permuted and suffix in q_heads:
       w = unpermute_qk(w, q_heads[suffix])
-    used.add(name)
     return w
 
-  params = assemble(cfg, get, LAYER_TENSORS, TOP_TENSORS)
-  unused = sorted(set(tensors) - used)
-  if unused:
-    raise CheckpointError(f"{path} has tensors this decoder does not use: {unused[:5]} (an unsupported variant)")
-  return cfg, to_jax(params, dtype), fields
+  return cfg, to_jax(assemble(cfg, get, LAYER_TENSORS, TOP_TENSORS), dtype), fields

@@ -109,7 +109,7 @@ def _convert(kind: str, path: str, dtype) -> tuple[ModelConfig, dict, Tokenizer 
     cfg, params, fields = gguf.load_gguf(path, dtype)
     try:
       tokenizer = Tokenizer.from_gguf_metadata(fields)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, TypeError) as err:   # tokenizer metadata missing or of the wrong kind
       warnings.warn(f"{path}: no tokenizer ({err}); model.tokenizer is None")
       tokenizer = None
     return cfg, params, tokenizer
