@@ -78,8 +78,14 @@ def _dot_dtype(dtype):
 
 
 def _check_inputs(q, k_codes, k_scale, k_zero, lengths, bits, group_size, block):
+  _common.check_quant_layout(bits, group_size, q.shape[-1], block.block_s)
+  check_arrays(q, k_codes, k_scale, k_zero, lengths, bits, group_size)
+
+
+def check_arrays(q, k_codes, k_scale, k_zero, lengths, bits, group_size):
+  """The shapes and dtypes of `quant_scores`'s contract (also the TPU kernel's, `pallas_kernels.tpu.quant_scores`);
+  each error names the value and the rule."""
   b, t, kh, g, h = q.shape
-  _common.check_quant_layout(bits, group_size, h, block.block_s)
   if k_codes.shape[:2] != (b, kh):
     raise ValueError(f"k_codes.shape={k_codes.shape} must start with [B={b}, K={kh}] (q.shape={q.shape})")
   _common.check_key_arrays(k_codes, k_scale, k_zero, bits, group_size, h)
