@@ -62,9 +62,7 @@ def expand_key_groups(x: jax.Array, group_size: int) -> jax.Array:
   """x [P', H] per group of g slots -> f32 [P'·g, H] (row s holds x[s // g])."""
   n_groups, head_dim = x.shape
   x = x.astype(jnp.float32)
-  group = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (n_groups * group_size, 1), 0),
-                                  group_size.bit_length() - 1) if _is_pow2(group_size) else (
-      lax.broadcasted_iota(jnp.int32, (n_groups * group_size, 1), 0) // group_size)
+  group = lax.div(lax.broadcasted_iota(jnp.int32, (n_groups * group_size, 1), 0), group_size)
   out = jnp.broadcast_to(x[0:1, :], (n_groups * group_size, head_dim))
   for p in range(1, n_groups):
     out = jnp.where(group == p, x[p:p + 1, :], out)
@@ -75,15 +73,11 @@ def expand_value_groups(x: jax.Array, group_size: int, head_dim: int) -> jax.Arr
   """x [S', H/g] per group of g channels -> f32 [S', H] (lane h holds x[:, h // g])."""
   rows, n_groups = x.shape
   x = x.astype(jnp.float32)
-  group = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1) // group_size
+  group = lax.div(lax.broadcasted_iota(jnp.int32, (1, head_dim), 1), group_size)
   out = jnp.broadcast_to(x[:, 0:1], (rows, head_dim))
   for p in range(1, n_groups):
     out = jnp.where(group == p, x[:, p:p + 1], out)
   return out
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
 
 
 def dot_nt(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
