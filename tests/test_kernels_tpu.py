@@ -101,7 +101,7 @@ MIXED_CASES = [
         (1, 32, 3, 4, 128, jnp.float32, 3, True),           # the robust preset: rows 1..3 of T=4
         (2, 64, 4, 4, 64, jnp.float32, 4, False),           # hedged candidates, scores only
         (2, 32, 4, 2, 64, jnp.float32, None, False),
-        (1, 32, 3, 4, 64, jnp.bfloat16, 3, True),
+        (1, 32, 3, 3, 64, jnp.bfloat16, 2, True),          # two candidates
     ]]
 
 
