@@ -7,7 +7,8 @@ the unpacking avoids lane reshapes and gathers:
   (bytes 0..255 and the 0/1 matrix are exact in bfloat16, the f32 accumulation sums one term), then a per-lane
   shift and mask in int32;
 - key scales per group of g slots to slots, and value scales per group of g channels to channels: a select
-  over the block's few groups (static one-row / one-column slices broadcast; exact, no reshape).
+  over the block's few groups, each group's row (column) taken by a masked sum over sublanes (lanes): exact, no
+  reshape and no unaligned slice.
 """
 from __future__ import annotations
 
@@ -63,9 +64,11 @@ def expand_key_groups(x: jax.Array, group_size: int) -> jax.Array:
   n_groups, head_dim = x.shape
   x = x.astype(jnp.float32)
   group = lax.div(lax.broadcasted_iota(jnp.int32, (n_groups * group_size, 1), 0), group_size)
-  out = jnp.broadcast_to(x[0:1, :], (n_groups * group_size, head_dim))
-  for p in range(1, n_groups):
-    out = jnp.where(group == p, x[p:p + 1, :], out)
+  row = lax.broadcasted_iota(jnp.int32, (n_groups, 1), 0)
+  out = jnp.zeros((n_groups * group_size, head_dim), jnp.float32)
+  for p in range(n_groups):
+    x_p = jnp.sum(jnp.where(row == p, x, 0.0), axis=0, keepdims=True)                 # [1, H] = x[p]
+    out = jnp.where(group == p, x_p, out)
   return out
 
 
@@ -74,9 +77,11 @@ def expand_value_groups(x: jax.Array, group_size: int, head_dim: int) -> jax.Arr
   rows, n_groups = x.shape
   x = x.astype(jnp.float32)
   group = lax.div(lax.broadcasted_iota(jnp.int32, (1, head_dim), 1), group_size)
-  out = jnp.broadcast_to(x[:, 0:1], (rows, head_dim))
-  for p in range(1, n_groups):
-    out = jnp.where(group == p, x[:, p:p + 1], out)
+  col = lax.broadcasted_iota(jnp.int32, (1, n_groups), 1)
+  out = jnp.zeros((rows, head_dim), jnp.float32)
+  for p in range(n_groups):
+    x_p = jnp.sum(jnp.where(col == p, x, 0.0), axis=1, keepdims=True)                 # [S', 1] = x[:, p]
+    out = jnp.where(group == p, x_p, out)
   return out
 
 
