@@ -119,8 +119,8 @@ def mixed_decode_attention_kernel(
   vs_ref/vz_ref [L, H/g]; len_ref []; excl_ref [Xp] int32 (-1 = none); ek_ref/ev_ref [Ep, H];
   em_ref [T, Ep] int32. Outputs: o_ref [R, H], m_ref/l_ref [R] (unnormalised, this split only),
   low_ref [Pp, Gp, L] and extra_ref [Pp, Gp, Ep] (written by split 0): the logits of the last n_prob rows; only
-  their first n_prob rows of n_heads = G heads exist in HBM (masked stores). lowbit_values=False: o_ref is split 0's normalised
-  output over the extra columns (0 in the other splits), the value refs are never read.
+  their first n_prob rows of n_heads = G heads exist in HBM (masked stores). lowbit_values=False: o_ref is split
+  0's normalised output over the extra columns (0 in the other splits), the value refs are never read.
   """
   split_len, n_bytes = kc_ref.shape
   r, head_dim = q_ref.shape

@@ -71,7 +71,8 @@ def test_lowers_for_cuda_with_triton(make_call, bits, group_size, gqa, t, head_d
 
 @pytest.mark.parametrize("t,prob_rows", [(4, 3), (3, 2)], ids=["t=4_prob_rows=3", "t=3_prob_rows=2"])
 def test_lowers_for_cuda_with_several_rows(t, prob_rows):
-  """SpeCache's candidates: T = 1 + candidates rows (T = 3 is padded to a power of two), the last ones' probabilities."""
+  """SpeCache's candidates: T = 1 + candidates rows (T = 3 is padded to a power of two), the last rows'
+  probabilities."""
   calls = [_quant_scores_call(1, 32, 3, t, 128, jnp.bfloat16), _mixed_call(1, 32, 3, t, 128, jnp.bfloat16, prob_rows)]
   for fn, args in calls:
     with _cuda_target():

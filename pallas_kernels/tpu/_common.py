@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import BITS
 
@@ -107,7 +108,6 @@ def dot_dtype(dtype):
 def interpret_params(interpret):
   """The `interpret=` of a TPU kernel -> pallas_call's: False (compile with Mosaic), True (TPU interpret mode with
   its defaults: uninitialised memory NaN, out-of-bounds reads raise) or a `pltpu.InterpretParams`."""
-  from jax.experimental.pallas import tpu as pltpu
   if interpret is True:
     return pltpu.InterpretParams()
   if interpret is False or isinstance(interpret, pltpu.InterpretParams):
