@@ -68,8 +68,8 @@ def mixed_decode_attention_kernel(
   len_ref SMEM [B]; q_ref [R, H]; kc_ref/vc_ref uint8 [block_s, C]; ks_ref/kz_ref [block_s/g, H];
   vs_ref/vz_ref [block_s, H/g]; excl_ref int32 [Xp, 1] (-1 = none); ek_ref/ev_ref [E, H]; em_ref int32 [R, E]
   (row r's mask); used_ref int32 [E, 1] (a row reads column e). Outputs: o_ref f32 [R, H] (normalised),
-  m_ref/l_ref f32 [R, 128] (final max and sum, lane-replicated), low_ref f32 [Pp, block_s] and extra_ref f32
-  [Pp, E] (the first Pp rows' logits). Scratch: m_sc/l_sc [R, 1], acc_sc [R, H].
+  m_ref/l_ref f32 [R, 128] (final max and sum, lane-replicated), low_ref f32 [P·G, block_s] and extra_ref f32
+  [P·G, E] (the first P·G rows' logits). Scratch: m_sc/l_sc [R, 1], acc_sc [R, H].
   """
   r, head_dim = q_ref.shape
   pp = low_ref.shape[0]
@@ -151,7 +151,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   g, e, x = n // kh, extra_k.shape[2], exclude.shape[2]
   bs, kg, vg = block.block_s, block.block_s // group_size, h // group_size
   r = _common.round_up(t * g, _common.SUBLANES)
-  pp = _common.round_up(n_prob * g, _common.SUBLANES)
+  pp = n_prob * g                                                                 # rows whose logits are kept
   xp = _common.round_up(max(x, 1), _common.SUBLANES)
   by_t_desc = lambda a: jnp.flip(a, axis=2)                                       # [B, K, T, ...], t descending
   q_bktgh = by_t_desc(jnp.einsum("btkgh->bktgh", q.reshape(b, t, kh, g, h)))
@@ -229,7 +229,7 @@ def _probabilities(m_rows, l_rows, low_logits, extra_logits, lens, *, g: int, n_
   inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[..., None]
 
   def mean_over_heads(logits):                                                     # [B, K, P·G, X] -> [B, K, P, X]
-    p = jnp.exp(logits[:, :, :rows] - m) * inv_l
+    p = jnp.exp(logits - m) * inv_l
     return jnp.flip(jnp.mean(p.reshape(b, kh, n_prob, g, p.shape[-1]), axis=3), axis=2)
 
   valid = (jnp.arange(s)[None, :] < lens[:, None])[:, None, None, :]               # [B, 1, 1, S]

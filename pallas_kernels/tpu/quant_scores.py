@@ -5,7 +5,8 @@ logits[b, k, g, t, s] = sm_scale · q[b, t, k, g, :] · k̂[b, k, s, :], with k�
 + zero[s // g, h], and -inf for s >= lengths[b].
 
 Grid (B, K, cdiv(S, block_s)), lengths scalar-prefetched into SMEM. Program (b, k, j) scores the G·T query rows
-of KV head k (row g·T + t, zero-padded to a multiple of 8) against S-block j: the codes are unpacked and
+of KV head k (row g·T + t; the query block zero-padded to a multiple of 8 rows, the output holding the G·T
+real rows only) against S-block j: the codes are unpacked and
 dequantized in VMEM (`tpu/_common.py`) and dotted on the MXU; no dequantized key copy is written to HBM. The
 index maps send every block past lengths[b] to the last valid one (the same index twice in a row is not fetched
 again), and those programs write -inf without computing. Inside the last valid block the slots past the length
@@ -39,8 +40,9 @@ class QuantScoresTPUBlock:
 def quant_scores_kernel(len_ref, q_ref, codes_ref, scale_ref, zero_ref, out_ref, *, bits: int, group_size: int,
                         sm_scale: float, n_slots: int, dot_dtype):
   """One (b, k, S-block) program. len_ref SMEM [B]; q_ref [R, H]; codes_ref uint8 [block_s, C];
-  scale_ref/zero_ref [block_s/g, H]; out_ref f32 [R, block_s]."""
-  r, head_dim = q_ref.shape
+  scale_ref/zero_ref [block_s/g, H]; out_ref f32 [G·T, block_s] (the first G·T of the R query rows)."""
+  head_dim = q_ref.shape[1]
+  n_rows = out_ref.shape[0]
   block_s = codes_ref.shape[0]
   j = pl.program_id(2)
   length = jnp.minimum(len_ref[pl.program_id(0)], n_slots)
@@ -55,11 +57,11 @@ def quant_scores_kernel(len_ref, q_ref, codes_ref, scale_ref, zero_ref, out_ref,
              + _common.expand_key_groups(zero_ref[...], group_size))
     k_hat = jnp.where(slot_col < length, k_hat, 0.0)                                   # NaN past the length
     logits = _common.dot_nt(q_ref[...], k_hat, dot_dtype) * sm_scale                   # [R, block_s]
-    out_ref[...] = jnp.where(slot_row < length, logits, -jnp.inf)
+    out_ref[...] = jnp.where(slot_row < length, logits[:n_rows], -jnp.inf)
 
   @pl.when(start >= length)
   def _():
-    out_ref[...] = jnp.full((r, block_s), -jnp.inf, jnp.float32)
+    out_ref[...] = jnp.full((n_rows, block_s), -jnp.inf, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block"))
@@ -98,11 +100,11 @@ def quant_scores(q, k_codes, k_scale, k_zero, lengths, *, bits: int, group_size:
               pl.BlockSpec((None, None, kg, h), s_block),
               pl.BlockSpec((None, None, kg, h), s_block),
           ],
-          out_specs=pl.BlockSpec((None, None, r, bs), lambda i, k, j, len_ref: (i, k, 0, j)),
+          out_specs=pl.BlockSpec((None, None, g * t, bs), lambda i, k, j, len_ref: (i, k, 0, j)),
       ),
-      out_shape=jax.ShapeDtypeStruct((b, kh, r, s), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((b, kh, g * t, s), jnp.float32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=_common.interpret_params(interpret),
       name="quant_scores_tpu",
   )(lens, q_rows, k_codes, k_scale, k_zero)
-  return out[:, :, :g * t].reshape(b, kh, g, t, s)                                 # [B, K, G, T, S]
+  return out.reshape(b, kh, g, t, s)                                               # [B, K, G, T, S]
