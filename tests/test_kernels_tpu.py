@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import testing
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
@@ -86,9 +87,9 @@ def _mixed_inputs(bits, group_size, gqa, t, head_dim, dtype, lengths=LENGTHS, se
                               dtype=dtype)
 
 
-def _run_mixed(args, bits, group_size, head_dim, **kw):
+def _run_mixed(args, bits, group_size, head_dim, interpret=True, **kw):
   kw = dict(bits=bits, group_size=group_size, sm_scale=head_dim ** -0.5, **kw)
-  got = mixed_decode_attention(*args, **kw, interpret=True, block=MixedAttentionTPUBlock(_block_s(group_size)))
+  got = mixed_decode_attention(*args, **kw, interpret=interpret, block=MixedAttentionTPUBlock(_block_s(group_size)))
   return got, mixed_decode_attention_reference(*args, **kw)
 
 
@@ -119,9 +120,11 @@ def test_mixed_attention_matches_reference(bits, group_size, gqa, t, head_dim, d
 
 def test_mixed_attention_several_rows_probabilities_are_each_rows():
   """prob_rows=P gives each of the last P rows what prob_rows=None gives the last: row T-1 is the last slice,
-  and each row's probabilities sum to 1 over the columns it sees."""
+  and each row's probabilities sum to 1 over the columns it sees (here with the parallel grid axes visited in a
+  random order and DMAs executed eagerly)."""
   args = _mixed_inputs(2, 32, 3, 4, 64, jnp.float32, seed=3)
-  (_, p_low, p_extra), _ = _run_mixed(args, 2, 32, 64, prob_rows=4)
+  shuffled = pltpu.InterpretParams(random_seed=7, dma_execution_mode="eager")
+  (_, p_low, p_extra), _ = _run_mixed(args, 2, 32, 64, interpret=shuffled, prob_rows=4)
   (_, last_low, last_extra), _ = _run_mixed(args, 2, 32, 64)
   np.testing.assert_allclose(np.asarray(p_low[:, :, -1]), np.asarray(last_low), rtol=1e-6, atol=1e-8)
   np.testing.assert_allclose(np.asarray(p_extra[:, :, -1]), np.asarray(last_extra), rtol=1e-6, atol=1e-8)
