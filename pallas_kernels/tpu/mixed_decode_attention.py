@@ -72,7 +72,7 @@ def mixed_decode_attention_kernel(
   [P·G, E] (the first P·G rows' logits). Scratch: m_sc/l_sc [R, 1], acc_sc [R, H].
   """
   r, head_dim = q_ref.shape
-  pp = low_ref.shape[0]
+  kept = low_ref.shape[0]
   block_s = kc_ref.shape[0]
   j = pl.program_id(2)
   length = jnp.minimum(len_ref[pl.program_id(0)], n_slots)
@@ -86,7 +86,7 @@ def mixed_decode_attention_kernel(
     ev = jnp.where(used, ev_ref[...].astype(jnp.float32), 0.0)
     logits = _common.dot_nt(q, ek, dot_dtype) * sm_scale                        # [R, E]
     logits = jnp.where(em_ref[...] > 0, logits, -jnp.inf)
-    extra_ref[...] = logits[:pp]
+    extra_ref[...] = logits[:kept]
     m, l, _, p = _online_update(jnp.full((r, 1), -jnp.inf, jnp.float32), jnp.zeros((r, 1), jnp.float32), logits)
     m_sc[...] = m
     l_sc[...] = l
@@ -106,7 +106,7 @@ def mixed_decode_attention_kernel(
     k_hat = jnp.where(live_col, k_hat, 0.0)
     logits = _common.dot_nt(q_ref[...], k_hat, dot_dtype) * sm_scale             # [R, block_s]
     logits = jnp.where(ok_row, logits, -jnp.inf)
-    low_ref[...] = logits[:pp]
+    low_ref[...] = logits[:kept]
     m, l, alpha, p = _online_update(m_sc[...], l_sc[...], logits)
     m_sc[...] = m
     l_sc[...] = l
@@ -151,7 +151,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   g, e, x = n // kh, extra_k.shape[2], exclude.shape[2]
   bs, kg, vg = block.block_s, block.block_s // group_size, h // group_size
   r = _common.round_up(t * g, _common.SUBLANES)
-  pp = n_prob * g                                                                 # rows whose logits are kept
+  kept = n_prob * g                                                               # rows whose logits are kept
   xp = _common.round_up(max(x, 1), _common.SUBLANES)
   by_t_desc = lambda a: jnp.flip(a, axis=2)                                       # [B, K, T, ...], t descending
   q_bktgh = by_t_desc(jnp.einsum("btkgh->bktgh", q.reshape(b, t, kh, g, h)))
@@ -194,8 +194,8 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
           ],
           out_specs=[
               per_bk(r, h), per_bk(r, _common.LANES), per_bk(r, _common.LANES),
-              pl.BlockSpec((None, None, pp, bs), s_block_out),                    # prob rows' low-bit logits
-              per_bk(pp, e),
+              pl.BlockSpec((None, None, kept, bs), s_block_out),                  # prob rows' low-bit logits
+              per_bk(kept, e),
           ],
           scratch_shapes=[pltpu.VMEM((r, 1), f32), pltpu.VMEM((r, 1), f32), pltpu.VMEM((r, h), f32)],
       ),
@@ -203,8 +203,8 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
           jax.ShapeDtypeStruct((b, kh, r, h), f32),
           jax.ShapeDtypeStruct((b, kh, r, _common.LANES), f32),
           jax.ShapeDtypeStruct((b, kh, r, _common.LANES), f32),
-          jax.ShapeDtypeStruct((b, kh, pp, s), f32),
-          jax.ShapeDtypeStruct((b, kh, pp, e), f32),
+          jax.ShapeDtypeStruct((b, kh, kept, s), f32),
+          jax.ShapeDtypeStruct((b, kh, kept, e), f32),
       ],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=_common.interpret_params(interpret),
