@@ -4,8 +4,9 @@
   from pallas_kernels.mixed_decode_attention import mixed_decode_attention  # + MixedAttentionBlock, *_reference
 
 Both target the Triton GPU backend (`quant_scores.py` says why not Mosaic GPU) and run on the CPU in
-interpret mode. Each op has a float32 jnp `*_reference` with the same signature. The functions are not
-re-exported here: their names equal their modules' names.
+interpret mode. Each op has a float32 jnp `*_reference` with the same signature. `pallas_kernels/tpu/` holds
+the Mosaic TPU kernels of the same two ops, with the same contracts and checked against the same references.
+The functions are not re-exported here: their names equal their modules' names.
 """
 import jax
 

@@ -8,12 +8,14 @@ For every (b, query head n, row t) one softmax over the union of
   causality and dedup are the caller's, through the mask).
 Query head n reads KV head n // G. Returns the output of every row and the probabilities of the last row
 (t = T-1, the speculative row) averaged over the G query heads of each KV head, split into the low-bit part
-[B, K, S] (0 where excluded or s >= lowbit_len) and the extra part [B, K, E].
+[B, K, S] (0 where excluded or s >= lowbit_len) and the extra part [B, K, E]; with prob_rows=P, those of each of
+the last P rows (t = T-P .. T-1; SpeCache's speculative candidates): [B, K, P, S] and [B, K, P, E].
 
 GPU backend: Triton (`jax.experimental.pallas.triton.CompilerParams`), for the reasons given in
 `quant_scores.py`: Mosaic GPU rejects the 8-bit pointwise unpacking and small decode tiles; Triton takes
-int32-upcast unpacking, masked loads and power-of-two tiles (H, group_size, block_s powers of two; query rows
-and the extra block padded to powers of two >= 16 for tl.dot).
+int32-upcast unpacking, masked loads and power-of-two tiles (H, group_size, block_s powers of two; T padded to a
+power of two with dummy rows first, whose outputs are dropped; query rows and the extra block padded to powers of
+two >= 16 for tl.dot).
 
 Schedule (flash-decoding): grid (B, K, splits). Program (b, k, j) holds the G·T query rows of KV head k and
 runs an online softmax over the S-blocks of split j that lie below lowbit_len[b] (blocks past the length
@@ -21,9 +23,9 @@ are not visited, masked loads never touch slots past it); split 0 then adds the 
 writes its unnormalised output, running max and sum; a jnp epilogue merges the splits (log-sum-exp).
 Exclusion is an in-kernel comparison of the block's slot ids with exclude[b, k, :] (no dense mask in HBM).
 
-Probabilities: the kernel stores the last row's scaled logits (-inf where masked) while it streams the
+Probabilities: the kernel stores the last P rows' scaled logits (-inf where masked) while it streams the
 cache; after the merge gives the final max M and sum L of every head, the epilogue computes
-mean_g exp(logit - M_g) / L_g. This costs G·4 bytes per slot written and read back, instead of a second
+mean_g exp(logit - M_g) / L_g. This costs P·G·4 bytes per slot written and read back, instead of a second
 pass that would re-read and re-unpack the packed keys and their scales.
 
 A row whose every column is masked yields output 0 and probabilities 0 (never NaN).
@@ -88,28 +90,37 @@ def _softmax_output(logits, v, dot_dtype):
   return o * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[:, None]
 
 
-def _last_row(logits, t_rows: int):
-  """logits [Gp·T, X] (row g·T + t) -> [Gp, X] at t = T-1, without value slicing (Triton has none)."""
+def _row(logits, t_rows: int, t: int):
+  """logits [Gp·T, X] (row g·T + t) -> [Gp, X] at row t, without value slicing (Triton has none)."""
   r, x = logits.shape
   by_t = logits.reshape(r // t_rows, t_rows, x)
   if t_rows == 1:
     return by_t.reshape(r, x)
   t_idx = lax.broadcasted_iota(jnp.int32, (1, t_rows, 1), 1)
-  return jnp.max(jnp.where(t_idx == t_rows - 1, by_t, -jnp.inf), axis=1)
+  return jnp.max(jnp.where(t_idx == t, by_t, -jnp.inf), axis=1)
+
+
+def _store_prob_rows(ref, cols, logits, t_rows: int, n_prob: int, head_ok):
+  """ref[:, :, cols] [Pp, Gp, X] <- the logits [Gp·T, X] of rows t = T-P .. T-1 (only the real heads' rows)."""
+  gp, x = ref.shape[1], logits.shape[1]
+  for p in range(n_prob):
+    plgpu.store(ref.at[pl.ds(p, 1), :, cols], _row(logits, t_rows, t_rows - n_prob + p)[None],
+                mask=jnp.broadcast_to(head_ok[None, :, None], (1, gp, x)))
 
 
 def mixed_decode_attention_kernel(
     q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, len_ref, excl_ref, ek_ref, ev_ref, em_ref,
     o_ref, m_ref, l_ref, low_ref, extra_ref, *, bits: int, group_size: int, sm_scale: float,
-    t_rows: int, n_heads: int, n_slots: int, n_extra: int, block_s: int, dot_dtype, lowbit_values: bool):
+    t_rows: int, n_heads: int, n_slots: int, n_extra: int, block_s: int, dot_dtype, lowbit_values: bool,
+    n_prob: int):
   """One (b, k, split) program.
 
   q_ref [R, H]; kc_ref/vc_ref [L, C] uint8 (L = this split's slots); ks_ref/kz_ref [L/g, H];
   vs_ref/vz_ref [L, H/g]; len_ref []; excl_ref [Xp] int32 (-1 = none); ek_ref/ev_ref [Ep, H];
   em_ref [T, Ep] int32. Outputs: o_ref [R, H], m_ref/l_ref [R] (unnormalised, this split only),
-  low_ref [Gp, L] last-row logits, extra_ref [Gp, Ep] last-row extra logits (written by split 0); only
-  their first n_heads = G rows exist in HBM (masked stores). lowbit_values=False: o_ref is split 0's normalised
-  output over the extra columns (0 in the other splits), the value refs are never read.
+  low_ref [Pp, Gp, L] and extra_ref [Pp, Gp, Ep] (written by split 0): the logits of the last n_prob rows; only
+  their first n_prob rows of n_heads = G heads exist in HBM (masked stores). lowbit_values=False: o_ref is split
+  0's normalised output over the extra columns (0 in the other splits), the value refs are never read.
   """
   split_len, n_bytes = kc_ref.shape
   r, head_dim = q_ref.shape
@@ -139,8 +150,7 @@ def mixed_decode_attention_kernel(
                                        group_size)                              # [block_s, H]
     logits = _common.dot_nt(q, k_hat, dot_dtype) * sm_scale                     # [R, block_s]
     logits = jnp.where(ok[None, :], logits, -jnp.inf)
-    plgpu.store(low_ref.at[:, pl.ds(start, block_s)], _last_row(logits, t_rows),
-                mask=jnp.broadcast_to(head_ok[:, None], (gp, block_s)))
+    _store_prob_rows(low_ref, pl.ds(start, block_s), logits, t_rows, n_prob, head_ok)
     if not lowbit_values:
       return _online_update(carry, logits, None, dot_dtype)
 
@@ -177,8 +187,7 @@ def mixed_decode_attention_kernel(
 
   @pl.when(first)
   def _():
-    plgpu.store(extra_ref, _last_row(logits_e, t_rows),
-                mask=jnp.broadcast_to(head_ok[:, None], (gp, ep)))
+    _store_prob_rows(extra_ref, slice(None), logits_e, t_rows, n_prob, head_ok)
 
   o_ref[...] = o
   m_ref[...] = m
@@ -234,23 +243,28 @@ def _splits(s: int, block: MixedAttentionBlock) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block",
-                                             "lowbit_values"))
+                                             "prob_rows", "lowbit_values"))
 def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude,
                            extra_k, extra_v, extra_mask, *, bits: int, group_size: int, sm_scale: float,
                            interpret: bool = False, block: MixedAttentionBlock | None = None,
-                           lowbit_values: bool = True):
+                           prob_rows: int | None = None, lowbit_values: bool = True):
   """Mixed-precision decode attention (see the module docstring; lowbit_values=False: the low-bit slots only
-  score, the output is the extra columns' own softmax).
+  score, the output is the extra columns' own softmax; prob_rows: `check_prob_rows`).
 
   q: [B, T, N, H]; k_codes, v_codes: uint8 [B, K, S, C] (C = H·bits/8); k_scale, k_zero: [B, K, P, H]
   (P >= ceil(S/g)); v_scale, v_zero: [B, K, S, H/g]; lowbit_len: int [B]; exclude: int [B, K, X]
   (-1 = none); extra_k, extra_v: [B, K, E, H]; extra_mask: bool [B, K, T, E].
-  Returns (out [B, T, N, H] in q.dtype, lowbit_probs f32 [B, K, S], extra_probs f32 [B, K, E]).
+  Returns (out [B, T, N, H] in q.dtype, lowbit_probs f32 [B, K, S], extra_probs f32 [B, K, E]); with
+  prob_rows=P the probabilities are [B, K, P, S] and [B, K, P, E].
   """
   block = block or MixedAttentionBlock()
   check_lowbit_values(lowbit_values)
+  n_prob = check_prob_rows(prob_rows, q.shape[1])
+  pp = _common.next_pow2(n_prob)
   _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len, exclude, extra_k,
                 extra_v, extra_mask, bits, group_size, block)
+  t_real = q.shape[1]
+  q, extra_mask = _pad_rows(q, 1), _pad_rows(extra_mask, 2)
   b, t, n, h = q.shape
   kh, s, c = k_codes.shape[1:]
   g, e, x = n // kh, extra_k.shape[2], exclude.shape[2]
@@ -265,7 +279,7 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
   kernel = functools.partial(
       mixed_decode_attention_kernel, bits=bits, group_size=group_size, sm_scale=float(sm_scale),
       t_rows=t, n_heads=g, n_slots=s, n_extra=e, block_s=block.block_s, dot_dtype=_dot_dtype(q.dtype),
-      lowbit_values=lowbit_values)
+      lowbit_values=lowbit_values, n_prob=n_prob)
   per_bk = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k) + (0,) * len(shape))
   per_split = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, k, j: (i, k, j, 0))
   f32 = jnp.float32
@@ -287,28 +301,39 @@ def mixed_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
           pl.BlockSpec((None, None, None, r, h), lambda i, k, j: (i, k, j, 0, 0)),
           pl.BlockSpec((None, None, None, r), lambda i, k, j: (i, k, j, 0)),
           pl.BlockSpec((None, None, None, r), lambda i, k, j: (i, k, j, 0)),
-          pl.BlockSpec((None, None, gp, split_len), lambda i, k, j: (i, k, 0, j)),
-          per_bk(gp, ep),
+          pl.BlockSpec((None, None, pp, gp, split_len), lambda i, k, j: (i, k, 0, 0, j)),
+          per_bk(pp, gp, ep),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((b, kh, n_splits, r, h), f32),                  # o, unnormalised
           jax.ShapeDtypeStruct((b, kh, n_splits, r), f32),                     # running max
           jax.ShapeDtypeStruct((b, kh, n_splits, r), f32),                     # running sum
-          jax.ShapeDtypeStruct((b, kh, g, n_splits * split_len), f32),         # last-row low logits
-          jax.ShapeDtypeStruct((b, kh, g, ep), f32),                           # last-row extra logits
+          jax.ShapeDtypeStruct((b, kh, n_prob, g, n_splits * split_len), f32), # last rows' low logits
+          jax.ShapeDtypeStruct((b, kh, n_prob, g, ep), f32),                   # last rows' extra logits
       ],
       compiler_params=_common.triton_params(block.num_warps, block.num_stages),
       interpret=interpret,
       name="mixed_decode_attention",
   )(q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lowbit_len.astype(jnp.int32), excl,
     extra_k, extra_v, extra_mask.astype(jnp.int32))
-  return _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, q.dtype, g=g, t=t, s=s, e=e,
-                lowbit_values=lowbit_values)
+  out, p_low, p_extra = _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, q.dtype, g=g, t=t,
+                               s=s, e=e, lowbit_values=lowbit_values)
+  out = out[:, t - t_real:]
+  return (out, p_low[:, :, 0], p_extra[:, :, 0]) if prob_rows is None else (out, p_low, p_extra)
+
+
+def _pad_rows(x, axis: int):
+  """T rows -> the next power of two (Triton block shapes), dummy rows FIRST so the last P rows stay the last:
+  zero queries in q, no extra column in extra_mask; their outputs are dropped."""
+  t = x.shape[axis]
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (_common.next_pow2(t) - t, 0)
+  return jnp.pad(x, pad)
 
 
 def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, *, g, t, s, e, lowbit_values):
-  """Log-sum-exp merge of the splits; output and last-row probabilities (see the module docstring; without the
-  low-bit values the output is split 0's, already normalised)."""
+  """Log-sum-exp merge of the splits; output and the last P rows' probabilities [B, K, P, S] and [B, K, P, E]
+  (see the module docstring; without the low-bit values the output is split 0's, already normalised)."""
   b, kh, _, r, h = o_part.shape
   gp = r // t
   m_all = jnp.max(m_part, axis=2)                                               # [B, K, R]
@@ -319,13 +344,14 @@ def _merge(o_part, m_part, l_part, low_logits, extra_logits, lowbit_len, dtype, 
   inv_l = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)     # [B, K, R]
   o_bkgth = (o_all * inv_l[..., None] if lowbit_values else o_part[:, :, 0]).reshape(b, kh, gp, t, h)[:, :, :g]
   out = jnp.einsum("bkgth->btkgh", o_bkgth).reshape(b, t, kh * g, h).astype(dtype)
-  m_last = m_safe.reshape(b, kh, gp, t)[:, :, :g, t - 1]                        # [B, K, G]
-  inv_last = inv_l.reshape(b, kh, gp, t)[:, :, :g, t - 1]
-  valid = jnp.arange(s)[None, None, None, :] < lowbit_len[:, None, None, None]  # [B, 1, 1, S]
-  p_low = jnp.exp(low_logits[:, :, :, :s] - m_last[..., None]) * inv_last[..., None]
+  n_prob = low_logits.shape[2]
+  last_rows = lambda x: jnp.einsum("bkgp->bkpg", x.reshape(b, kh, gp, t)[:, :, :g, t - n_prob:])[..., None]
+  m_last, inv_last = last_rows(m_safe), last_rows(inv_l)                        # [B, K, P, G, 1]
+  valid = jnp.arange(s)[None, None, None, None, :] < lowbit_len[:, None, None, None, None]  # [B, 1, 1, 1, S]
+  p_low = jnp.exp(low_logits[..., :s] - m_last) * inv_last                      # [B, K, P, G, S]
   p_low = jnp.where(valid, p_low, 0.0)                                          # unvisited blocks
-  p_extra = jnp.exp(extra_logits[:, :, :, :e] - m_last[..., None]) * inv_last[..., None]
-  return out, jnp.mean(p_low, axis=2), jnp.mean(p_extra, axis=2)
+  p_extra = jnp.exp(extra_logits[..., :e] - m_last) * inv_last
+  return out, jnp.mean(p_low, axis=3), jnp.mean(p_extra, axis=3)
 
 
 def check_lowbit_values(lowbit_values) -> None:
@@ -336,7 +362,7 @@ def check_lowbit_values(lowbit_values) -> None:
 
 def check_prob_rows(prob_rows, t: int) -> int:
   """The rows whose probabilities come back: None (the last row's, [B, K, S]) or an int P in [1, T] (the last P
-  rows', [B, K, P, S]; the XLA:CPU kernel and the reference) -> P."""
+  rows', [B, K, P, S]; every kernel and the reference) -> P."""
   if prob_rows is None:
     return 1
   if isinstance(prob_rows, bool) or not isinstance(prob_rows, int) or not 1 <= prob_rows <= t:

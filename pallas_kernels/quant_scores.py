@@ -10,8 +10,9 @@ H = 64, a few bytes of scales per row). This kernel without Triton params fails 
 0.10.2 ("Only copies transferring a number of bytes divisible by the warpgroup size are supported"). The
 Triton lowering takes the int32-upcast unpacking, masked loads for ragged lengths and small power-of-two
 tiles, and `tests/test_kernels_lowering.py` checks that both kernels lower through it. Triton needs
-power-of-two tiles: H, group_size and block_s must be powers of two (validated), and the G·T query rows of a
-KV head are padded with zero rows to a power of two >= 16 (a tl.dot operand) before the call.
+power-of-two tiles: H, group_size and block_s must be powers of two (validated), T is padded with zero query
+rows to a power of two (T = 3: 4; the extra rows' scores are dropped), and the G·T query rows of a KV head are
+padded with zero rows to a power of two >= 16 (a tl.dot operand) before the call.
 
 Grid (B, K, cdiv(S, block_s)): one program scores all G·T query rows of KV head k against one block of
 packed keys, so the codes are read once per KV head. The codes are unpacked, dequantized and dotted in
@@ -78,8 +79,14 @@ def _dot_dtype(dtype):
 
 
 def _check_inputs(q, k_codes, k_scale, k_zero, lengths, bits, group_size, block):
+  _common.check_quant_layout(bits, group_size, q.shape[-1], block.block_s)
+  check_arrays(q, k_codes, k_scale, k_zero, lengths, bits, group_size)
+
+
+def check_arrays(q, k_codes, k_scale, k_zero, lengths, bits, group_size):
+  """The shapes and dtypes of `quant_scores`'s contract (also the TPU kernel's, `pallas_kernels.tpu.quant_scores`);
+  each error names the value and the rule."""
   b, t, kh, g, h = q.shape
-  _common.check_quant_layout(bits, group_size, h, block.block_s)
   if k_codes.shape[:2] != (b, kh):
     raise ValueError(f"k_codes.shape={k_codes.shape} must start with [B={b}, K={kh}] (q.shape={q.shape})")
   _common.check_key_arrays(k_codes, k_scale, k_zero, bits, group_size, h)
@@ -98,6 +105,8 @@ def quant_scores(q, k_codes, k_scale, k_zero, lengths, *, bits: int, group_size:
   """
   block = block or QuantScoresBlock()
   _check_inputs(q, k_codes, k_scale, k_zero, lengths, bits, group_size, block)
+  t_real = q.shape[1]
+  q = jnp.pad(q, ((0, 0), (0, _common.next_pow2(t_real) - t_real), (0, 0), (0, 0), (0, 0)))  # pow2 rows (Triton)
   b, t, kh, g, h = q.shape
   s, c = k_codes.shape[2], k_codes.shape[3]
   gp = _common.padded_heads(g, t)
@@ -124,7 +133,7 @@ def quant_scores(q, k_codes, k_scale, k_zero, lengths, *, bits: int, group_size:
       interpret=interpret,
       name="quant_scores",
   )(q_rows, k_codes, k_scale, k_zero, lengths.astype(jnp.int32))
-  return out.reshape(b, kh, g, t, s)                                            # [B, K, G, T, S]
+  return out.reshape(b, kh, g, t, s)[:, :, :, :t_real]                          # [B, K, G, T, S]
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale", "interpret", "block"))

@@ -47,7 +47,7 @@ def _quant_scores_call(bits, group_size, gqa, t, head_dim, dtype):
   return jax.jit(functools.partial(quant_scores, bits=bits, group_size=group_size, sm_scale=0.125)), args
 
 
-def _mixed_call(bits, group_size, gqa, t, head_dim, dtype):
+def _mixed_call(bits, group_size, gqa, t, head_dim, dtype, prob_rows=None):
   b, kh, x, e = 2, 8, 64, 130
   v_groups = head_dim // group_size
   args = ((SDS((b, t, kh * gqa, head_dim), dtype),) + _key_args(b, kh, head_dim, bits, group_size, dtype)
@@ -56,7 +56,7 @@ def _mixed_call(bits, group_size, gqa, t, head_dim, dtype):
              SDS((b, kh, e, head_dim), dtype), SDS((b, kh, e, head_dim), dtype),
              SDS((b, kh, t, e), jnp.bool_)))
   fn = functools.partial(mixed_decode_attention, bits=bits, group_size=group_size, sm_scale=0.125,
-                         block=MixedAttentionBlock(block_s=64, num_splits=4))
+                         block=MixedAttentionBlock(block_s=64, num_splits=4), prob_rows=prob_rows)
   return jax.jit(fn), args
 
 
@@ -67,6 +67,17 @@ def test_lowers_for_cuda_with_triton(make_call, bits, group_size, gqa, t, head_d
   with _cuda_target():
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert TRITON_CALL in text          # the kernel became a Triton custom call with its IR embedded
+
+
+@pytest.mark.parametrize("t,prob_rows", [(4, 3), (3, 2)], ids=["t=4_prob_rows=3", "t=3_prob_rows=2"])
+def test_lowers_for_cuda_with_several_rows(t, prob_rows):
+  """SpeCache's candidates: T = 1 + candidates rows (T = 3 is padded to a power of two), the last rows'
+  probabilities."""
+  calls = [_quant_scores_call(1, 32, 3, t, 128, jnp.bfloat16), _mixed_call(1, 32, 3, t, 128, jnp.bfloat16, prob_rows)]
+  for fn, args in calls:
+    with _cuda_target():
+      text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert TRITON_CALL in text
 
 
 @pytest.mark.parametrize("make_call", [_quant_scores_call, _mixed_call], ids=["quant_scores", "mixed"])

@@ -91,6 +91,16 @@ class TestMixedDecodeAttention:
                                                                      num_splits=num_splits))
     _check(got, want, jnp.float32)
 
+  @pytest.mark.parametrize("bits,group_size,gqa,t,prob_rows,lowbit_values",
+                           [(1, 32, 3, 4, 3, True), (2, 64, 4, 4, 4, False), (2, 32, 4, 2, 1, True),
+                            (2, 32, 3, 3, 2, True)])              # T = 3: padded to 4 rows for Triton
+  def test_several_rows_probabilities_match_reference(self, bits, group_size, gqa, t, prob_rows, lowbit_values):
+    """prob_rows=P: the probabilities of each of the last P rows ([B, K, P, ...]; SpeCache's candidates)."""
+    args = _inputs(bits, group_size, gqa, t, 64, jnp.float32, 5, 7)
+    got, want = self._run(args, bits, group_size, 64, prob_rows=prob_rows, lowbit_values=lowbit_values)
+    assert got[1].shape == (len(LENGTHS), 2, prob_rows, SLOTS) and got[2].shape == (len(LENGTHS), 2, prob_rows, 7)
+    _check(got, want, jnp.float32)
+
   def test_last_row_probabilities_sum_to_one_and_respect_masks(self):
     args = _inputs(1, 32, 4, 2, 64, jnp.float32, 6, 9, mask_p=0.5)
     _, _, _, _, _, _, _, lengths, exclude, _, _, extra_mask = args

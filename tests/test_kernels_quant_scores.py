@@ -33,6 +33,8 @@ CASES = (
     # every GQA ratio with both T at 2 bits
     + [_case(2, 32, gqa, t) for gqa in (1, 3, 4) for t in (1, 2) if (gqa, t) != (1, 2)]
     + [_case(1, 64, 4, 2, head_dim=128), _case(2, 32, 3, 2, head_dim=128)]
+    # T = 4 (SpeCache's robust preset: the real row and 3 candidates) and T = 3 (padded to 4 for Triton)
+    + [_case(1, 32, 3, 4), _case(2, 32, 4, 3)]
     + [_case(2, 32, 4, 2, dtype=jnp.bfloat16), _case(1, 64, 3, 1, dtype=jnp.bfloat16)]
 )
 
