@@ -34,9 +34,9 @@ from pallas_kernels.mixed_decode_attention import mixed_decode_attention_referen
 from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.cpu_kernels import select as cpu_select
-from specache_jax.bench import machine, models as bench_models, peer, states, throughput, timing
-from specache_jax.experiments_lib import methods as exp_methods
-from specache_jax.experiments_lib.store import atomic_write_text
+from experiments.lib.bench import machine, models as bench_models, peer, states, throughput, timing
+from experiments.lib import methods as exp_methods
+from experiments.lib.store import atomic_write_text
 from specache_jax.model import decoder as dec
 
 _OUT = flags.DEFINE_string("out", "results/cpu_kernels", "output path without extension (.json and .md)")

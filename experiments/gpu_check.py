@@ -13,7 +13,7 @@ Stages:
               simulated, Pallas (interpret off a GPU) = jnp.
   kernels     pallas_kernels.benchmark: the Pallas kernels vs their float32 references, then (GPU) timed at
               several block sizes with the achieved bandwidth.
-  overlap     the offloaded runtime's fetch-hidden fraction (bench/overlap.py) per host store on 8B shapes at
+  overlap     the offloaded runtime's fetch-hidden fraction (lib/bench/overlap.py) per host store on 8B shapes at
               8k/32k, batch 1/8, and a jax.profiler trace of three pipelined steps (OUTDIR/trace_overlap).
   throughput  decode tok/s of the full cache vs SpeCache 1-bit (offloaded; simulated with the Pallas kernels)
               at the largest batch each fits (the script caps device memory at an A6000's 48 GB).
@@ -52,7 +52,7 @@ def _tiny_prompts(vocab: int, lengths, seed: int = 0):
 def stage_smoke(dry: bool) -> dict:
   del dry                                                               # the smoke test is tiny everywhere
   import specache_jax as sj
-  from specache_jax.bench import models
+  from experiments.lib.bench import models
   model = models.load("random:tiny", "float32", seed=1)
   prompts = _tiny_prompts(model.config.vocab_size, [37, 12, 25])
   kw = dict(max_new_tokens=12, stop_tokens=())
@@ -85,7 +85,7 @@ def stage_kernels(dry: bool) -> dict:
 
 
 def stage_overlap(dry: bool, out_dir: str) -> dict:
-  from specache_jax.bench import overlap
+  from experiments.lib.bench import overlap
   sz = _sizes(dry)
   res = {"cells": []}
   for context, batch in sz["cells"]:
@@ -107,8 +107,8 @@ def stage_overlap(dry: bool, out_dir: str) -> dict:
 def _trace_steps(sz: dict, out_dir: str) -> str:
   """A jax.profiler trace of three pipelined offloaded steps (the first cell's shape, numpy store)."""
   import specache_jax as sj
-  from specache_jax.bench import models
-  from specache_jax.bench.common import RuntimeDriver, random_prompts
+  from experiments.lib.bench import models
+  from experiments.lib.bench.common import RuntimeDriver, random_prompts
   context, batch = sz["cells"][0]
   model = models.load(sz["model"], sz["dtype"])
   method = sj.cache_config("specache", offload=True, host_store="numpy", **sz["spec"])
@@ -128,9 +128,9 @@ def _trace_steps(sz: dict, out_dir: str) -> str:
 
 def stage_throughput(dry: bool) -> dict:
   import specache_jax as sj
-  from specache_jax.bench import models, states
-  from specache_jax.bench.common import random_prompts
-  from specache_jax.bench.throughput import make_runner, time_cell
+  from experiments.lib.bench import models, states
+  from experiments.lib.bench.common import random_prompts
+  from experiments.lib.bench.throughput import make_runner, time_cell
   sz = _sizes(dry)
   model = models.load(sz["model"], sz["dtype"])
   impl = "pallas" if jax.default_backend() == "gpu" else "jnp"

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from specache_jax.bench import timing
+from experiments.lib.bench import timing
 from specache_jax.caches import lowbit, packed
 
 _OUT = flags.DEFINE_string("out", "results/packed_cpu", "output path without extension (.json and .md)")

@@ -27,7 +27,7 @@ import numpy as np
 from absl import app, flags
 
 import specache_jax as sj
-from specache_jax.bench.timing import load_average, machine_info
+from experiments.lib.bench.timing import load_average, machine_info
 from specache_jax.caches import attention as A
 from specache_jax.model import decoder
 from specache_jax.model.layers import rms_norm, swiglu_mlp

@@ -5,8 +5,8 @@
 from absl import app
 from ml_collections import config_flags
 
-from specache_jax.bench import report, throughput
-from specache_jax.experiments_lib import launch
+from experiments.lib.bench import report, throughput
+from experiments.lib import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py", "benchmark config",
                                           lock_config=True)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from specache_jax.bench import timing
+from experiments.lib.bench import timing
 from specache_jax.caches.selection import TOPK_BLOCK, top_k_indices
 
 _OUT = flags.DEFINE_string("out", "results/topk_cpu", "output path without extension (.json and .md)")

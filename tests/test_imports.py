@@ -155,7 +155,7 @@ def _graph(edges) -> dict[str, set[str]]:
 
 def test_the_walk_sees_the_whole_project(edges):
   modules = project_modules()
-  assert {"specache_jax.caches.specache", "specache_jax.bench.overlap", "pallas_kernels._common"} <= set(modules)
+  assert {"specache_jax.caches.specache", "experiments.lib.bench.overlap", "pallas_kernels._common"} <= set(modules)
   assert ("specache_jax.model.decoder", "specache_jax.caches.attention") in {e[:2] for e in edges}
 
 

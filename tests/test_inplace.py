@@ -12,7 +12,7 @@ import pytest
 
 import specache_jax as sj
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import throughput
+from experiments.lib.bench import throughput
 from specache_jax.model import decoder
 from tests.tiny import random_prompts, tiny_model
 

@@ -197,7 +197,7 @@ def test_wheel_installs_into_a_fresh_venv_and_generates_outside_the_checkout(dis
   launched = fresh_venv.run([venv.python, "-m", "experiments.generate", f"--config={config_file}:tiny"],
                             cwd=outside, env=env)
   from configs import generate as generate_cfg              # the same run in this (checkout) process
-  from specache_jax.experiments_lib import generate, models
+  from experiments.lib import generate, models
   want = generate.run(generate_cfg.get_config("tiny"), model=models.load("tiny-random"))
   printed = want.text.replace("\r\n", "\n").replace("\r", "\n")     # as a text-mode pipe reads it
   assert want.new_tokens == 16 and printed in launched, launched[-2000:]

@@ -15,12 +15,12 @@ import pytest
 
 import specache_jax as sj
 from configs import peer_bench as peer_cfg
-from specache_jax.bench import machine, peer
-from specache_jax.bench import models as bench_models
+from experiments.lib.bench import machine, peer
+from experiments.lib.bench import models as bench_models
 from specache_jax.caches.budget import device_bytes_at
-from specache_jax.experiments_lib import methods as exp_methods
-from specache_jax.experiments_lib import models as exp_models
-from specache_jax.experiments_lib.perplexity import text_windows
+from experiments.lib import methods as exp_methods
+from experiments.lib import models as exp_models
+from experiments.lib.perplexity import text_windows
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import specache_jax as sj
-from specache_jax.experiments_lib import models
+from experiments.lib import models
 
 
 class SettingsError(ValueError):

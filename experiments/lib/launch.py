@@ -17,11 +17,11 @@ import jax
 from absl import app, flags, logging
 
 from specache_jax import sharding
-from specache_jax.bench import models as bench_models
-from specache_jax.bench import report as bench_report
+from experiments.lib.bench import models as bench_models
+from experiments.lib.bench import report as bench_report
 from specache_jax.checkpoints import CheckpointError
 from specache_jax.errors import ConfigError
-from specache_jax.experiments_lib.store import atomic_write_text
+from experiments.lib.store import atomic_write_text
 from specache_jax.offload import MemoryPlanError
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
@@ -103,7 +103,7 @@ def write_result(out: str, result: dict, text: str) -> None:
 
 
 def run_benchmark(name: str, config, runner, markdown, argv) -> None:
-  """The body of the benchmark launchers: flags (one device) -> the model (bench/models.py) ->
+  """The body of the benchmark launchers: flags (one device) -> the model (lib/bench/models.py) ->
   runner(config, model, log) -> <config.out>.json and .md (markdown(result)), printed."""
   if start(argv) is not None:
     raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device; drop --mesh")

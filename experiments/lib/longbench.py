@@ -14,8 +14,8 @@ import pathlib
 import time
 
 from specache_jax.data import longbench as lb
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import (ResultStore, SweepResult, atomic_write_json, atomic_write_text,
+from experiments.lib import methods, models, report
+from experiments.lib.store import (ResultStore, SweepResult, atomic_write_json, atomic_write_text,
                                                 fingerprint)
 
 

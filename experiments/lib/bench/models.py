@@ -2,7 +2,7 @@
 
 Step times do not depend on the weights' values, so `random:<shape>` stands in for a checkpoint where only
 timing is measured (and where a long context is wanted beyond a real model's). `tiny-random` and every other
-name go to `experiments_lib.models.load` (`sj.load_model`).
+name go to `experiments.lib.models.load` (`sj.load_model`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 from specache_jax.arrays import DTYPES
 from specache_jax.checkpoints.registry import Model
 from specache_jax.errors import ConfigError
-from specache_jax.experiments_lib import models as exp_models
+from experiments.lib import models as exp_models
 from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
 
@@ -38,7 +38,7 @@ SHAPES = {
 
 
 def load(name: str, dtype: str = "", seed: int = 0) -> Model:
-  """`random:<shape>` (a key of SHAPES), or anything `experiments_lib.models.load` accepts."""
+  """`random:<shape>` (a key of SHAPES), or anything `experiments.lib.models.load` accepts."""
   if name.startswith(RANDOM_PREFIX):
     shape = name[len(RANDOM_PREFIX):]
     if shape not in SHAPES:

@@ -32,17 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from specache_jax import api, decode
-from specache_jax.bench import machine, states, timing
-from specache_jax.bench.floors import (cell_bandwidth, decode_flops, floors, peer_cache_bytes, prefill_flops,
+from experiments.lib.bench import machine, states, timing
+from experiments.lib.bench.floors import (cell_bandwidth, decode_flops, floors, peer_cache_bytes, prefill_flops,
                                       weight_bytes_per_step)
-from specache_jax.bench import models as bench_models
-from specache_jax.bench.common import random_prompts
-from specache_jax.bench.throughput import decode_step_jit, make_runner
+from experiments.lib.bench import models as bench_models
+from experiments.lib.bench.common import random_prompts
+from experiments.lib.bench.throughput import decode_step_jit, make_runner
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
-from specache_jax.experiments_lib import methods as exp_methods
-from specache_jax.experiments_lib import models as exp_models
-from specache_jax.experiments_lib.perplexity import text_windows
+from experiments.lib import methods as exp_methods
+from experiments.lib import models as exp_models
+from experiments.lib.perplexity import text_windows
 from specache_jax.model import decoder
 from specache_jax.model.config import ConfigError
 
@@ -452,7 +452,7 @@ def versions() -> dict:
 
 
 def load_model(name: str, dtype: str, seed: int):
-  """`random:<shape>` (bench/models.py), else the experiments' loader (whose `.source` is the checkpoint file)."""
+  """`random:<shape>` (lib/bench/models.py), else the experiments' loader (whose `.source` is the checkpoint file)."""
   if name.startswith(bench_models.RANDOM_PREFIX):
     return bench_models.load(name, dtype, seed)
   return exp_models.load(name, dtype)
