@@ -155,8 +155,8 @@ def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
   the numbers, before anything is allocated (params are shapes only). On the device side the prefill's
   activations (one layer at a time, MLP in row pieces, blockwise attention) put it at ~79 GiB: it fits an H200."""
   from experiments.lib.bench.models import SHAPES
-  from specache_jax.model.config import ModelConfig
   from specache_jax.model.init import init_params
+  from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
   plans = {}
@@ -184,8 +184,8 @@ def test_memory_plan_prefills_in_sequence_chunks_that_fit_and_refuses_when_one_d
   prefill activations (~55 GiB) do not fit next to the weights, so the plan prefills fewer sequences at a time —
   the most that fit; on 20 GB even one sequence's do not: refused up front, with the numbers."""
   from experiments.lib.bench.models import SHAPES
-  from specache_jax.model.config import ModelConfig
   from specache_jax.model.init import init_params
+  from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
   method = sj.cache_config("specache", bits=1, group_size=64, residual=64, topk=64, offload=True)

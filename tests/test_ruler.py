@@ -368,7 +368,7 @@ def test_the_test_variant_end_to_end_with_qa_and_rerun_reuses_every_cell(tiny, t
 def test_sweep_refuses_a_missing_qa_file_before_loading_a_model(tmp_path):
   from configs import ruler as ruler_cfg
   from experiments.lib import ruler as sweep
-  from specache_jax.model.config import ConfigError
+  from specache_jax.errors import ConfigError
   c = ruler_cfg.get_config("test")
   c.output_dir, c.tasks, c.model = str(tmp_path), "vt,qa_2", "/nonexistent/model"
   with pytest.raises(ConfigError, match=r"hotpot_dev_distractor_v1\.json"):

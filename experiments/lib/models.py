@@ -16,8 +16,8 @@ import numpy as np
 from specache_jax.api import generate
 from specache_jax.arrays import DTYPES
 from specache_jax.checkpoints.registry import Model, load_model
-from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
+from specache_jax.model_config import ModelConfig
 
 TINY_PREFIX = "tiny-random"
 

@@ -30,7 +30,7 @@ from specache_jax.caches import cache_config
 from specache_jax.caches.budget import device_bytes_at
 from experiments.lib import methods
 from experiments.lib.store import ResultStore
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 FULL = "full"
 FAITHFUL = "specache_1bit"

@@ -44,7 +44,7 @@ from experiments.lib import methods as exp_methods
 from experiments.lib import models as exp_models
 from experiments.lib.perplexity import text_windows
 from specache_jax.model import decoder
-from specache_jax.model.config import ConfigError
+from specache_jax.errors import ConfigError
 
 PEER_CACHES = ("dynamic", "quanto")
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
