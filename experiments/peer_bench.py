@@ -20,8 +20,7 @@ _MERGE = flags.DEFINE_list("merge", [], "result JSONs of earlier runs to merge i
 
 
 def main(argv):
-  if launch.start(argv) is not None:
-    raise app.UsageError("experiments.peer_bench runs on one device; drop --mesh")
+  launch.start_one_device("peer_bench", argv)
   config = _CONFIG.value
   if _MERGE.value:
     results = []

@@ -6,14 +6,14 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments.lib.bench import report, throughput
-from experiments.lib import launch
+
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py", "benchmark config",
                                           lock_config=True)
 
 
 def main(argv):
-  launch.run_benchmark("throughput", _CONFIG.value, throughput.run, report.throughput_markdown, argv)
+  run_benchmark("throughput", _CONFIG.value, throughput.run, report.throughput_markdown, argv)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_hf_runner_prefill_then_steps(tiny, cache):
 
 
 def test_bytes_and_flops_formulas():
-  cfg = bench_models.SHAPES["smollm2-135m"]
+  cfg = exp_models.SHAPES["smollm2-135m"]
   from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**cfg, name="smollm2")
   full = sj.cache_config("full")

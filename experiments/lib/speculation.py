@@ -25,10 +25,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.lib.bench.models import SHAPES
 from specache_jax.caches import cache_config
 from specache_jax.caches.budget import device_bytes_at
 from experiments.lib import methods
+from experiments.lib.models import SHAPES
 from experiments.lib.store import ResultStore
 from specache_jax.model_config import ModelConfig
 
