@@ -6,7 +6,7 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments.lib.bench import report, throughput
-
+from experiments.lib.bench.launch import run_benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py", "benchmark config",
                                           lock_config=True)
