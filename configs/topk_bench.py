@@ -1,4 +1,5 @@
-"""κ selection on this CPU: one `lax.top_k` over all S slots vs the blocked exact top-k (experiments/lib/bench/topk.py).
+"""κ selection on this CPU: one `lax.top_k` over all S slots vs the blocked exact top-k
+(experiments/lib/bench/topk.py).
 
 Run (from the repository root):
   python -m experiments.topk_bench --config=configs/topk_bench.py          # "cpu": results/topk_cpu.{json,md}

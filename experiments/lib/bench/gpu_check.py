@@ -4,7 +4,8 @@
 Written for the machine as it is lent (../shared/ENVIRONMENT.md): python3 with jax 0.11.x + CUDA, flax, optax,
 absl, tokenizers; no ml_collections, gguf or tensorflow-datasets, and no SmolLM2 (what a run carries is at most
 64 MiB), so this file and its launcher import none of them (the sizes are here, not in a config file), and every
-model is random weights of a real shape made on the device (Llama-3-8B in bf16). Each stage writes OUTDIR/<stage>.json when it ends (an error is written there too).
+model is random weights of a real shape made on the device (Llama-3-8B in bf16). Each stage writes
+OUTDIR/<stage>.json when it ends (an error is written there too).
 
 Stages:
   smoke       devices; a tiny model's greedy tokens: full = SpeCache (k >= n), offloaded (both host stores) =
