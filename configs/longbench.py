@@ -12,8 +12,8 @@ Run (from the repository root):
 """
 import ml_collections
 
-from specache_jax.data.longbench import PAPER_TASKS
 from experiments.lib import methods
+from specache_jax.data.longbench import PAPER_TASKS
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:

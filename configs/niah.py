@@ -8,8 +8,8 @@ Override any field, e.g. `--config.lengths=1024 --config.run_methods=full,specac
 """
 import ml_collections
 
-from specache_jax.data import niah
 from experiments.lib import methods
+from specache_jax.data import niah
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:

@@ -11,8 +11,8 @@ Override any field, e.g. `--config.samples=5 --config.tasks=niah_single_1,vt --c
 """
 import ml_collections
 
-from specache_jax.data.ruler import SYNTHETIC, TASKS
 from experiments.lib import methods
+from specache_jax.data.ruler import SYNTHETIC, TASKS
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:

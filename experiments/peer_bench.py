@@ -10,8 +10,8 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.lib.bench import peer, peer_report, report
 from experiments.lib import launch
+from experiments.lib.bench import peer, peer_report, report
 from experiments.lib.store import atomic_write_text
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/peer_bench.py", "benchmark config", lock_config=True)

@@ -14,17 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specache_jax as sj
 from configs import ablations as ablations_cfg
 from configs import hitrate as hitrate_cfg
 from configs import longbench as longbench_cfg
 from configs import niah as niah_cfg
 from configs import perplexity as perplexity_cfg
-from specache_jax.data import longbench as lb
-from specache_jax.data import niah as niah_data
 from experiments.lib import ablations, hitrate, longbench, models, niah, perplexity
 from experiments.lib.store import ResultStore, fingerprint
 from experiments.lib.teacher_forcing import teacher_forced_nll
+import specache_jax as sj
+from specache_jax.data import longbench as lb
+from specache_jax.data import niah as niah_data
 from specache_jax.model.decoder import forward_full
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from configs import needle_rank as needle_rank_cfg
+from experiments.lib import models, needle_rank
 from specache_jax import quant
 from specache_jax.errors import ConfigError
-from experiments.lib import models, needle_rank
 
 
 def _loop_ranks(q, k, rows, span):

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from experiments.lib.models import CharTokenizer
 from specache_jax.data import ruler
 from specache_jax.data.ruler import aggregation, haystacks, niah, tasks
-from experiments.lib.models import CharTokenizer
 
 CHAR = CharTokenizer()
 LENGTH = 2500                     # characters = tokens of the char tokenizer; below 4096 (cwe's short counts)

@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
-import specache_jax as sj
 from experiments.lib import models
+import specache_jax as sj
 
 
 class SettingsError(ValueError):

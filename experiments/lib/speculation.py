@@ -25,11 +25,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax.caches import cache_config
-from specache_jax.caches.budget import device_bytes_at
 from experiments.lib import methods
 from experiments.lib.models import SHAPES
 from experiments.lib.store import ResultStore
+from specache_jax.caches import cache_config
+from specache_jax.caches.budget import device_bytes_at
 from specache_jax.model_config import ModelConfig
 
 FULL = "full"

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lib import methods as exp_methods
+from experiments.lib.bench import machine, models as bench_models, peer, states, throughput, timing
+from experiments.lib.store import atomic_write_json, atomic_write_text
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference as mixed_reference
 from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.cpu_kernels import select as cpu_select
-from experiments.lib.bench import machine, models as bench_models, peer, states, throughput, timing
-from experiments.lib import methods as exp_methods
-from experiments.lib.store import atomic_write_json, atomic_write_text
 from specache_jax.errors import ConfigError
 from specache_jax.model import decoder as dec
 

@@ -27,10 +27,10 @@ import traceback
 import jax
 import numpy as np
 
-import specache_jax as sj
 from experiments.lib.bench import models, overlap, states
 from experiments.lib.bench.common import RuntimeDriver, random_prompts
 from experiments.lib.bench.throughput import make_runner, time_cell
+import specache_jax as sj
 
 STAGES = ("smoke", "kernels", "overlap", "throughput")
 SPECACHE = dict(bits=1, group_size=64, residual=64, topk=64)

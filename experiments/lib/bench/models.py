@@ -10,10 +10,10 @@ import dataclasses
 
 import jax
 
+from experiments.lib import models as exp_models
 from specache_jax.arrays import DTYPES
 from specache_jax.checkpoints.registry import Model
 from specache_jax.errors import ConfigError
-from experiments.lib import models as exp_models
 from specache_jax.model.init import init_params
 from specache_jax.model_config import ModelConfig
 

@@ -34,9 +34,9 @@ import time
 import jax
 import numpy as np
 
-from specache_jax.arrays import Ready
 from experiments.lib.bench import models, states, timing
 from experiments.lib.bench.common import RuntimeDriver, random_prompts
+from specache_jax.arrays import Ready
 from specache_jax.caches import cache_config
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"

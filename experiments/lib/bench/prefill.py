@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import specache_jax as sj
 from experiments.lib.bench.prefill_report import markdown
 from experiments.lib.bench.timing import load_average, machine_info
 from experiments.lib.store import atomic_write_json, atomic_write_text
+import specache_jax as sj
 from specache_jax.caches import attention as A
 from specache_jax.errors import ConfigError
 from specache_jax.model import decoder
