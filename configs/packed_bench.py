@@ -14,10 +14,10 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     raise ValueError(f"config variant {arg!r} must be one of cpu, smoke")
   c = ml_collections.ConfigDict()
   c.out = "results/packed_cpu"          # output path without extension (.json and .md)
+  c.layers = 3                          # layers per timed program (per-layer time = call / layers)
   c.sizes = (1024, 4096, 8192, 32768)   # cached lengths S
   c.batches = (1, 4)                    # batch sizes B
   c.bits = (1, 2)                       # code widths
-  c.layers = 3                          # layers per timed program (per-layer time = call / layers)
   c.variants = ""                       # variants to time, comma-separated ("": all); a checked variant brings
                                         # its reference
   c.rounds = 7                          # timed rounds per cell (median reported)
