@@ -35,6 +35,10 @@ KNOWN_CYCLES: list[frozenset[str]] = []
 # (importing module, imported module) pairs of function-level imports still to be moved to the top or given
 # a reason.
 KNOWN_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
+MAX_LINES = 500                 # a module of the library or the harness
+MAX_LAUNCHER_LINES = 100        # a launcher (experiments/*.py): flags or a config file -> one harness call
+# Files still over MAX_LINES (strict, like the lists above).
+KNOWN_LONG_FILES: set[str] = {"specache_jax/caches/specache.py"}
 
 
 def project_modules() -> dict[str, pathlib.Path]:
@@ -216,6 +220,18 @@ def test_no_project_import_hidden_in_a_function(edges):
   assert not new, ("project imports inside a function: move them to the top, or say why on the line or the "
                    f"line above (a comment with one of {REASONS}):\n" + "\n".join(new))
   assert not gone, f"these listed imports are no longer hidden; delete them from KNOWN_FUNCTION_IMPORTS: {gone}"
+
+
+def test_modules_are_small_and_launchers_thin():
+  files = project_modules()
+  long = {files[m].relative_to(ROOT).as_posix() for m in files
+          if len(files[m].read_text(encoding="utf-8").splitlines()) > MAX_LINES}
+  assert long == KNOWN_LONG_FILES, (f"over {MAX_LINES} lines: {sorted(long - KNOWN_LONG_FILES)}; no longer over "
+                                    f"(delete from KNOWN_LONG_FILES): {sorted(KNOWN_LONG_FILES - long)}")
+  launchers = [files[m] for m in files if m.startswith("experiments.") and package_node(m, files) == m]
+  assert len(launchers) >= 10
+  fat = [p.name for p in launchers if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LAUNCHER_LINES]
+  assert not fat, f"launchers over {MAX_LAUNCHER_LINES} lines (move their logic into experiments/lib/): {fat}"
 
 
 def test_the_checker_finds_a_cycle_and_a_hidden_import():
