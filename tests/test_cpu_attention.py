@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specache_jax as sj
 from pallas_kernels import testing
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
-import specache_jax as sj
 from specache_jax import cpu_kernels as ck
 from specache_jax.cpu_kernels import dense_attention as ckd
 from specache_jax.cpu_kernels import mixed_attention as cka
