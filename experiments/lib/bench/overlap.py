@@ -26,6 +26,7 @@ import dataclasses
 import glob
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from specache_jax.arrays import Ready
 from specache_jax.caches import cache_config
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+CHECKOUT = pathlib.Path(__file__).resolve().parents[3]     # the harness runs from here
 
 
 def pin_xla_threads() -> set[int]:
@@ -221,7 +223,8 @@ def main_settings(settings: dict) -> dict:
 
 def run_subprocess(settings: dict, single_thread: bool, timeout_s: float) -> dict:
   """`main_settings` in a fresh Python (optionally single-threaded XLA); returns its JSON or {skipped}."""
-  env = dict(os.environ)
+  env = dict(os.environ)             # the harness is imported from the checkout, whatever the working directory
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH", "")) if p)
   if single_thread:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA).strip()
   cmd = [sys.executable, "-m", "experiments.lib.bench.overlap", json.dumps(settings)]
