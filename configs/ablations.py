@@ -7,8 +7,8 @@ Run (from the repository root):
 """
 import ml_collections
 
+from experiments.lib import methods
 from specache_jax.data import niah
-from specache_jax.experiments_lib import methods
 
 # The paper's SpeCache 1-bit setting; every variant below changes one or two fields of it.
 BASE = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)

@@ -7,14 +7,14 @@ Run (from the repository root):
 """
 import ml_collections
 
-from specache_jax.experiments_lib import methods
+from experiments.lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg not in ("cpu", "gpu", "test"):
     raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
+  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (lib/bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.contexts = (1024, 4096, 8192)   # cache slots S per cell; the prompt is S - margin tokens
   c.batches = (1, 4)                # prompt rows per cell (distinct random prompts, prefilled row by row)
@@ -22,7 +22,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.warmup = 2                      # untimed decode steps (the first compiles)
   c.iters = 7                       # timed rounds: every method runs one step per round (median reported)
   c.seed = 0                        # prompt tokens
-  c.methods = methods.standard()    # label -> cache settings (experiments_lib/methods.py)
+  c.methods = methods.standard()    # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
   c.reference = "full"              # ratios are to this label's numbers in the same cell
   c.target_context = 8192           # issue 3's target: SpeCache (simulated) step <= target_ratio x full here

@@ -7,7 +7,7 @@ Run (from the repository root):
 """
 import ml_collections
 
-from specache_jax.experiments_lib import methods
+from experiments.lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
@@ -20,7 +20,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.num_prompts = 2                 # prompts (consecutive windows of the text), decoded as one batch
   c.context_tokens = 1024           # tokens per prompt
   c.max_new_tokens = 256            # greedy tokens generated per prompt (no stop token: the full length)
-  c.methods = dict(methods.standard(), **methods.robust())   # label -> cache settings (experiments_lib/methods.py)
+  c.methods = dict(methods.standard(), **methods.robust())   # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "specache_1bit,specache_2bit"   # SpeCache labels only (track_hits is switched on); robust
                                                   # speculation: e.g. specache_1bit_hedge16,specache_1bit_drift
   c.output_dir = "runs/hitrate"  # results.json (resumable), summary.md, hitrate.png

@@ -12,8 +12,8 @@ Run (from the repository root):
 """
 import ml_collections
 
+from experiments.lib import methods
 from specache_jax.data.longbench import PAPER_TASKS
-from specache_jax.experiments_lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
@@ -28,7 +28,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_prompt_tokens = 3500        # middle-truncation budget (the official per-model "maxlen")
   c.max_new_tokens_cap = 0          # 0 = the official per-task generation length; >0 caps it (faster, unofficial)
   c.batch_size = 1                  # prompts per sj.generate call (a ragged batch)
-  c.methods = methods.standard()    # label -> cache settings (see experiments_lib/methods.py:standard)
+  c.methods = methods.standard()    # label -> cache settings (see experiments/lib/methods.py:standard)
   c.run_methods = "full,specache_1bit"   # labels run, in order
   c.output_dir = "runs/longbench"     # results.json (resumable), <method>/<task>.jsonl, scores.json, summary.md
   c.stop_after = 0                  # >0: stop once this many new predictions are stored

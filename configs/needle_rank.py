@@ -1,4 +1,4 @@
-"""Where the needle's rows rank in the low-bit scores (issue 14's miss anatomy; experiments_lib/needle_rank.py).
+"""Where the needle's rows rank in the low-bit scores (issue 14's miss anatomy; experiments/lib/needle_rank.py).
 
 Run (from the repository root):
   python -m experiments.needle_rank --config=configs/needle_rank.py          # SmolLM2-135M, this CPU (~5 min)

@@ -8,8 +8,8 @@ Override any field, e.g. `--config.lengths=1024 --config.run_methods=full,specac
 """
 import ml_collections
 
+from experiments.lib import methods
 from specache_jax.data import niah
-from specache_jax.experiments_lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
@@ -27,7 +27,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.more_needles = ""               # a needle set: more needles asked at every cell, comma-separated keys of
                                     # specache_jax.data.niah.NEEDLE_SET (lighthouse, soup, train); "" = none
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
-  # label -> cache settings (experiments_lib/methods.py): the paper's methods and SpeCache 1-bit's
+  # label -> cache settings (experiments/lib/methods.py): the paper's methods and SpeCache 1-bit's
   # robust-speculation variants, e.g. exact_on_miss (on a speculation miss, fetch the real token's own top-k
   # synchronously; off in the paper's method), skip_ring, hedge, drift (run them with --config.run_methods).
   c.methods = dict(methods.standard(), **methods.robust())

@@ -10,7 +10,7 @@ Run (from the repository root):
 """
 import ml_collections
 
-from specache_jax.experiments_lib import methods as exp_methods
+from experiments.lib import methods as exp_methods
 
 SPECACHE = dict(name="specache", group_size=64, residual=64, topk=64)   # the paper's settings
 
@@ -19,7 +19,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg not in ("cpu", "gpu", "test", "robust"):
     raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test, robust")
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
+  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (lib/bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype (SmolLM2: float32); the peer uses the same
   c.hf_weights = "gguf"             # gguf: transformers' own GGUF loader on the file ours loads (as a new user
                                     # would; for SmolLM2 bit-identical to ours); params: our loaded tensors
@@ -37,21 +37,21 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.steps = 8                       # greedy decode steps per timed round, back to back
   c.rounds = 3                      # rounds; every method (ours and the peer's) runs one round in turn
   c.seed = 0
-  c.methods = dict(                 # ours: label -> cache settings (experiments_lib/methods.py)
+  c.methods = dict(                 # ours: label -> cache settings (experiments/lib/methods.py)
       full=dict(name="full"),
       kivi_2bit=dict(name="kivi", bits=2, group_size=64, residual=128),
       specache_1bit=dict(SPECACHE, bits=1),
       specache_2bit=dict(SPECACHE, bits=2),
       specache_1bit_offload=dict(SPECACHE, bits=1, offload=True))
   c.run_methods = "full,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_offload"
-  c.peers = dict(                   # the peer's: label -> transformers cache (bench/peer.py HFRunner)
+  c.peers = dict(                   # the peer's: label -> transformers cache (lib/bench/peer.py HFRunner)
       hf_dynamic=dict(cache="dynamic"),
       hf_quanto_2bit=dict(cache="quanto", nbits=2, q_group_size=64, residual_length=128))
   c.run_peers = "hf_dynamic,hf_quanto_2bit"
   c.reference = "hf_dynamic"        # speed ratios are to this label in the same (context, batch) cell
   c.parity = ml_collections.ConfigDict(dict(  # greedy tokens of ours (full) and the peer (dynamic) compared
       batch=2, prompt_len=64, new_tokens=16))
-  c.machine = ml_collections.ConfigDict(dict(  # bench/machine.py
+  c.machine = ml_collections.ConfigDict(dict(  # lib/bench/machine.py
       bandwidth_bytes=1 << 30,      # the array summed to measure read bandwidth (>= 1 GiB: well past the caches)
       gemm_n=2048,                  # fp32 [n, n] x [n, n] for the FLOP/s
       repeats=5))                   # best of
@@ -109,7 +109,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.out = "results/speculation/steps_cpu"
     c.plot = ""
   elif arg == "test":
-    c.model = "random:tiny"         # bench/models.py SHAPES["tiny"]: head_dim 16
+    c.model = "random:tiny"         # lib/bench/models.py SHAPES["tiny"]: head_dim 16
     c.hf_weights = "params"         # the peer built from the same random weights
     c.contexts = (128,)
     c.batches = (2,)

@@ -13,7 +13,7 @@ Override any field from the command line, e.g. `--config.run_methods=full,specac
 """
 import ml_collections
 
-from specache_jax.experiments_lib import methods
+from experiments.lib import methods
 
 
 def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
@@ -29,7 +29,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.window_tokens = 2048            # tokens per window (positions 0 .. window_tokens-1)
   c.prefix_tokens = 512             # prefilled at once; every later token goes through the cache's decode path
   c.buckets = "0-1024,1024-2048"    # position buckets [lo, hi) for the table
-  # label -> cache settings (experiments_lib/methods.py:standard), plus SpeCache with an oracle speculative
+  # label -> cache settings (experiments/lib/methods.py:standard), plus SpeCache with an oracle speculative
   # row (spec_row="text": the text's true next token instead of the model's own guess).
   c.methods = dict(methods.standard(), **methods.robust(),     # robust labels: issue 14's variants
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),

@@ -15,7 +15,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg not in ("cpu", "gpu", "test"):
     raise ValueError(f"config variant {arg!r} must be one of cpu, gpu, test")
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (bench/models.py; timing only)
+  c.model = "smollm2-135m"          # a checkpoint name/path, or random:<shape> (lib/bench/models.py; timing only)
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.contexts = (1024, 2048)         # cache slots per cell; the prompt is context - margin tokens
   c.batches = (1, 4)                # distinct random prompts decoded together
@@ -24,7 +24,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.steps = 8                       # decode steps per timed round, back to back
   c.rounds = 3                      # rounds; every method runs one round in turn (median reported)
   c.seed = 0
-  c.methods = dict(                 # label -> cache settings (experiments_lib/methods.py)
+  c.methods = dict(                 # label -> cache settings (experiments/lib/methods.py)
       full=dict(name="full"),
       kivi_2bit=dict(name="kivi", bits=2, group_size=64, residual=128),
       specache_sim=dict(SPECACHE),
@@ -34,7 +34,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.reference = "full"              # ratios are to this label in the same (context, batch) cell
   c.max_seconds = 2400              # cells not started by then are recorded as skipped
   c.overlap = ml_collections.ConfigDict()
-  c.overlap.enabled = True          # measure compute alone / fetch alone / pipelined (bench/overlap.py)
+  c.overlap.enabled = True          # measure compute alone / fetch alone / pipelined (lib/bench/overlap.py)
   c.overlap.method = dict(SPECACHE, offload=True)
   c.overlap.context = 2048
   c.overlap.batch = 4

@@ -5,15 +5,15 @@
 from absl import app
 from ml_collections import config_flags
 
-from specache_jax.bench import caches, report
-from specache_jax.experiments_lib import launch
+from experiments.lib.bench import caches, report
+from experiments.lib.bench.launch import run_benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/caches_bench.py", "benchmark config",
                                           lock_config=True)
 
 
 def main(argv):
-  launch.run_benchmark("caches_bench", _CONFIG.value, caches.run, report.caches_markdown, argv)
+  run_benchmark("caches_bench", _CONFIG.value, caches.run, report.caches_markdown, argv)
 
 
 if __name__ == "__main__":

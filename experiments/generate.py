@@ -5,7 +5,7 @@
 from absl import app, logging
 from ml_collections import config_flags
 
-from specache_jax.experiments_lib import generate, launch
+from experiments.lib import generate, launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py", "generation config", lock_config=True)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU check, written for the machine as it is lent (../shared/ENVIRONMENT.md: one H200, python3 3.12
 # with jax 0.11.x + CUDA preinstalled, no network, no ml_collections/gguf/tfds, nothing over 64 MiB carried).
-# Every stage has its own time limit and writes OUTDIR/<stage>.json as it ends (experiments/gpu_check.py);
+# Every stage has its own time limit and writes OUTDIR/<stage>.json as it ends (experiments/lib/bench/gpu_check.py);
 # the whole script stays under 8 minutes.
 #
 #   bash experiments/gpu_check.sh OUTDIR              # on the GPU machine

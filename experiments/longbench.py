@@ -5,7 +5,7 @@
 from absl import app
 from ml_collections import config_flags
 
-from specache_jax.experiments_lib import longbench, launch
+from experiments.lib import longbench, launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/longbench.py", "experiment config",
                                           lock_config=True)

@@ -10,9 +10,9 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from specache_jax.bench import peer, peer_report, report
-from specache_jax.experiments_lib import launch
-from specache_jax.experiments_lib.store import atomic_write_text
+from experiments.lib import launch
+from experiments.lib.bench import peer, peer_report, report
+from experiments.lib.store import atomic_write_text
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/peer_bench.py", "benchmark config", lock_config=True)
 _MERGE = flags.DEFINE_list("merge", [], "result JSONs of earlier runs to merge into one report at config.out "
@@ -20,8 +20,7 @@ _MERGE = flags.DEFINE_list("merge", [], "result JSONs of earlier runs to merge i
 
 
 def main(argv):
-  if launch.start(argv) is not None:
-    raise app.UsageError("experiments.peer_bench runs on one device; drop --mesh")
+  launch.start_one_device("peer_bench", argv)
   config = _CONFIG.value
   if _MERGE.value:
     results = []

@@ -1,5 +1,5 @@
 """Issue 14's ablation table of SpeCache 1-bit's robust-speculation variants, joined from the stores the hit-rate,
-NIAH, RULER, offloaded-step and perplexity experiments wrote (`experiments_lib/speculation.py`; nothing is
+NIAH, RULER, offloaded-step and perplexity experiments wrote (`experiments/lib/speculation.py`; nothing is
 recomputed).
 
   python -m experiments.speculation_table          # results/speculation/summary.md + table.json
@@ -9,8 +9,8 @@ import sys
 
 from absl import app, flags
 
-from specache_jax.experiments_lib import speculation
-from specache_jax.experiments_lib.store import atomic_write_json, atomic_write_text
+from experiments.lib import speculation
+from experiments.lib.store import atomic_write_json, atomic_write_text
 
 _HITRATE = flags.DEFINE_string("hitrate", "results/speculation/hitrate/results.json", "experiments.hitrate store")
 _NIAH = flags.DEFINE_string("niah", "results/speculation/niah/results.json", "experiments.niah store (the grid)")

@@ -5,15 +5,15 @@
 from absl import app
 from ml_collections import config_flags
 
-from specache_jax.bench import report, throughput
-from specache_jax.experiments_lib import launch
+from experiments.lib.bench import report, throughput
+from experiments.lib.bench.launch import run_benchmark
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/throughput.py", "benchmark config",
                                           lock_config=True)
 
 
 def main(argv):
-  launch.run_benchmark("throughput", _CONFIG.value, throughput.run, report.throughput_markdown, argv)
+  run_benchmark("throughput", _CONFIG.value, throughput.run, report.throughput_markdown, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from specache_jax import guards, history, sharding
 from specache_jax.caches.base import Cache, CacheConfig, observe_speculation as _observe
 from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.model import decoder
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 SLOT_ROUNDING = 128  # cache slots are rounded up so nearby lengths reuse one compiled program
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from specache_jax.caches.base import Cache
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 AXES = ("data", "model")
 

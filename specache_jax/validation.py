@@ -17,8 +17,8 @@ from specache_jax import decode
 from specache_jax.arrays import DTYPES
 from specache_jax.caches.base import CacheConfig
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import param_shapes
+from specache_jax.model_config import ModelConfig
 
 
 # ----- model config and params -----

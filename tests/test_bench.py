@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specache_jax as sj
 from configs import caches_bench as caches_cfg
 from configs import throughput as throughput_cfg
+from experiments.lib.bench import caches, models, overlap, report, states, throughput
+import specache_jax as sj
 from specache_jax import decode
-from specache_jax.bench import caches, models, overlap, report, states, throughput
 from specache_jax.caches import METHOD_NAMES
 from specache_jax.model.decoder import forward_jit
 

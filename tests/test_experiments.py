@@ -14,17 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specache_jax as sj
 from configs import ablations as ablations_cfg
 from configs import hitrate as hitrate_cfg
 from configs import longbench as longbench_cfg
 from configs import niah as niah_cfg
 from configs import perplexity as perplexity_cfg
+from experiments.lib import ablations, hitrate, longbench, models, niah, perplexity
+from experiments.lib.store import ResultStore, fingerprint
+from experiments.lib.teacher_forcing import teacher_forced_nll
+import specache_jax as sj
 from specache_jax.data import longbench as lb
 from specache_jax.data import niah as niah_data
-from specache_jax.experiments_lib import ablations, hitrate, longbench, models, niah, perplexity
-from specache_jax.experiments_lib.store import ResultStore, fingerprint
-from specache_jax.experiments_lib.teacher_forcing import teacher_forced_nll
 from specache_jax.model.decoder import forward_full
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -308,7 +308,7 @@ def test_generate_launcher_prints_what_the_library_generates(tiny):
   """The CLI (absl flags + ml_collections config) against the same settings run in-process, and on a mesh."""
   from configs import generate as generate_cfg
   from specache_jax import sharding
-  from specache_jax.experiments_lib import generate
+  from experiments.lib import generate
   cfg = generate_cfg.get_config("tiny")
   cfg.cache, cfg.cache_settings = "specache", "bits=1,topk=8,residual=32,group_size=32"
   want = generate.run(cfg, model=tiny)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lib.bench import states
 import specache_jax as sj
 from specache_jax import decode, history
-from specache_jax.bench import states
 from specache_jax.caches import selection
 from specache_jax.caches import specache as sc
 from specache_jax.errors import ConfigError

@@ -1,9 +1,15 @@
 """The project's own import graph (issue 11): no cycle, and no project import hidden inside a function.
 
-Every module of `specache_jax` and `pallas_kernels` is found on disk (pkgutil, nothing is imported) and parsed
-with `ast`; each `import` / `from ... import` of a project module, at module level or inside a function,
-is an edge. A function-level project import is allowed only with a comment on its line or the line above
-that says why: "optional" (an optional backend) or "cycle-free: ..." (why it cannot be at the top).
+Every module of the library (`specache_jax`, `pallas_kernels`) and of the checkout's harness (`experiments`: the
+launchers and `experiments.lib`; `configs`) is found on disk (pkgutil, nothing is imported) and parsed with
+`ast`; each `import` / `from ... import` of a project module, at module level or inside a function, is an edge.
+A function-level project import is allowed only with a comment on its line or the line above that says why:
+"optional" (an optional backend) or "cycle-free: ..." (why it cannot be at the top).
+
+The same edges between packages: every sub-package (`specache_jax.caches`, `specache_jax.model`,
+`experiments.lib`, `experiments.lib.bench`, ...) is one node, a module directly under a top-level package
+(`specache_jax.decode`, `experiments.niah`) its own node; that graph has no cycle either, and the library
+imports nothing of the harness.
 
 KNOWN_CYCLES and KNOWN_FUNCTION_IMPORTS list what is still to be fixed. Both are strict: a cycle or a hidden
 import that is not listed fails, and so does a listed one that no longer exists (then delete its entry).
@@ -19,7 +25,9 @@ import tokenize
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("specache_jax", "pallas_kernels")
+LIBRARY = ("specache_jax", "pallas_kernels")
+HARNESS = ("experiments", "configs")
+PACKAGES = LIBRARY + HARNESS
 REASONS = ("optional", "cycle-free:")
 
 # Strongly connected components of the import graph still to be broken (each as its set of modules).
@@ -27,6 +35,10 @@ KNOWN_CYCLES: list[frozenset[str]] = []
 # (importing module, imported module) pairs of function-level imports still to be moved to the top or given
 # a reason.
 KNOWN_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
+MAX_LINES = 500                 # a module of the library or the harness
+MAX_LAUNCHER_LINES = 100        # a launcher (experiments/*.py): flags or a config file -> one harness call
+# Files still over MAX_LINES (strict, like the lists above).
+KNOWN_LONG_FILES: set[str] = {"specache_jax/caches/specache.py"}
 
 
 def project_modules() -> dict[str, pathlib.Path]:
@@ -153,9 +165,26 @@ def _graph(edges) -> dict[str, set[str]]:
   return graph
 
 
+def package_node(module: str, files: dict[str, pathlib.Path]) -> str:
+  """The package a module belongs to: its (sub-)package, or the module itself when it lies directly in a
+  top-level package (those are leaves or entry points, not one unit)."""
+  package = module if files[module].name == "__init__.py" else module.rpartition(".")[0]
+  return module if package in PACKAGES else package
+
+
+def _package_graph(edges) -> dict[str, set[str]]:
+  files = project_modules()
+  graph: dict[str, set[str]] = {}
+  for src, dst, *_ in edges:
+    a, b = package_node(src, files), package_node(dst, files)
+    if a != b:
+      graph.setdefault(a, set()).add(b)
+  return graph
+
+
 def test_the_walk_sees_the_whole_project(edges):
   modules = project_modules()
-  assert {"specache_jax.caches.specache", "specache_jax.bench.overlap", "pallas_kernels._common"} <= set(modules)
+  assert {"specache_jax.caches.specache", "experiments.lib.bench.overlap", "pallas_kernels._common"} <= set(modules)
   assert ("specache_jax.model.decoder", "specache_jax.caches.attention") in {e[:2] for e in edges}
 
 
@@ -166,6 +195,20 @@ def test_no_import_cycle(edges):
   gone = [sorted(c) for c in KNOWN_CYCLES if c not in components]
   assert not new, "import cycles (break them; each line is one cycle):\n" + "\n".join(new)
   assert not gone, f"these listed cycles no longer exist; delete them from KNOWN_CYCLES: {gone}"
+
+
+def test_no_package_cycle(edges):
+  graph = _package_graph(edges)
+  assert {"specache_jax.caches", "specache_jax.model", "experiments.lib", "experiments.lib.bench"} <= set(graph)
+  cycles = [" -> ".join(a_cycle(graph, c)) for c in strongly_connected(graph)]
+  assert not cycles, "package-level import cycles (each line is one):\n" + "\n".join(cycles)
+
+
+def test_the_library_does_not_import_the_harness(edges):
+  files = project_modules()
+  wrong = sorted(f"{files[src].relative_to(ROOT)}:{line} imports {dst}" for src, dst, line, *_ in edges
+                 if src.split(".")[0] in LIBRARY and dst.split(".")[0] in HARNESS)
+  assert not wrong, "the library imports the harness (experiments/, configs/):\n" + "\n".join(wrong)
 
 
 def test_no_project_import_hidden_in_a_function(edges):
@@ -179,9 +222,30 @@ def test_no_project_import_hidden_in_a_function(edges):
   assert not gone, f"these listed imports are no longer hidden; delete them from KNOWN_FUNCTION_IMPORTS: {gone}"
 
 
+def test_modules_are_small_and_launchers_thin():
+  files = project_modules()
+  long = {files[m].relative_to(ROOT).as_posix() for m in files
+          if len(files[m].read_text(encoding="utf-8").splitlines()) > MAX_LINES}
+  assert long == KNOWN_LONG_FILES, (f"over {MAX_LINES} lines: {sorted(long - KNOWN_LONG_FILES)}; no longer over "
+                                    f"(delete from KNOWN_LONG_FILES): {sorted(KNOWN_LONG_FILES - long)}")
+  launchers = [files[m] for m in files if m.startswith("experiments.") and package_node(m, files) == m]
+  assert len(launchers) >= 10
+  fat = [p.name for p in launchers if len(p.read_text(encoding="utf-8").splitlines()) > MAX_LAUNCHER_LINES]
+  assert not fat, f"launchers over {MAX_LAUNCHER_LINES} lines (move their logic into experiments/lib/): {fat}"
+
+
 def test_the_checker_finds_a_cycle_and_a_hidden_import():
   graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
   (component,) = strongly_connected(graph)
   assert component == {"a", "b", "c"} and a_cycle(graph, component) == ["a", "b", "c", "a"]
   source = "def f():\n  import x  # optional backend\n\n\ndef g():\n  # cycle-free: x imports this module\n  import x\n"
   assert _reason_lines(source) == {2, 6}
+
+
+def test_package_nodes():
+  files = project_modules()
+  assert package_node("specache_jax.caches.specache", files) == "specache_jax.caches"
+  assert package_node("specache_jax.caches", files) == "specache_jax.caches"
+  assert package_node("specache_jax.decode", files) == "specache_jax.decode"
+  assert package_node("experiments.lib.bench.peer", files) == "experiments.lib.bench"
+  assert package_node("experiments.niah", files) == "experiments.niah"

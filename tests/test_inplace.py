@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from experiments.lib.bench import throughput
 import specache_jax as sj
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import throughput
 from specache_jax.model import decoder
 from tests.tiny import random_prompts, tiny_model
 

@@ -1,4 +1,4 @@
-"""experiments_lib/needle_rank: the needle's rank in exact and low-bit attention, against loop references, and
+"""experiments/lib/needle_rank: the needle's rank in exact and low-bit attention, against loop references, and
 the sweep end to end on the random tiny model."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from configs import needle_rank as needle_rank_cfg
+from experiments.lib import models, needle_rank
 from specache_jax import quant
 from specache_jax.errors import ConfigError
-from specache_jax.experiments_lib import models, needle_rank
 
 
 def _loop_ranks(q, k, rows, span):

@@ -79,5 +79,6 @@ def test_notebook_installs_itself_into_a_fresh_venv_and_runs_the_tiny_variant(tm
   shown = fresh_venv.run([venv.python, "-m", "pip", "show", "--files", "specache_jax"], cwd=tmp_path)
   location = re.search(r"^Location: (.*)$", shown, re.MULTILINE).group(1)
   assert pathlib.Path(location).resolve().is_relative_to(venv.path.resolve()), shown   # a real install, not -e
-  assert "Editable project location" not in shown and "configs/niah.py" in shown
+  assert "Editable project location" not in shown and "specache_jax/api.py" in shown
+  assert "configs/niah.py" not in shown and "experiments/lib/niah.py" not in shown      # the harness: from the checkout
   fresh_venv.run([venv.python, "-m", "specache_jax.assets", "status"], cwd=tmp_path)

@@ -154,9 +154,9 @@ def test_memory_plan_refuses_8b_at_32k_batch_25_over_the_pinned_pool_cap():
   pageable memory (numpy store) but not XLA's 64 GiB pinned pool (pinned_host store): refused up front, with
   the numbers, before anything is allocated (params are shapes only). On the device side the prefill's
   activations (one layer at a time, MLP in row pieces, blockwise attention) put it at ~79 GiB: it fits an H200."""
-  from specache_jax.bench.models import SHAPES
-  from specache_jax.model.config import ModelConfig
+  from experiments.lib.models import SHAPES
   from specache_jax.model.init import init_params
+  from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
   plans = {}
@@ -183,9 +183,9 @@ def test_memory_plan_prefills_in_sequence_chunks_that_fit_and_refuses_when_one_d
   """Llama-3-8B (bf16) at 32k x batch 25 on a 48 GB accelerator (the paper's A6000 setting): the whole batch's
   prefill activations (~55 GiB) do not fit next to the weights, so the plan prefills fewer sequences at a time —
   the most that fit; on 20 GB even one sequence's do not: refused up front, with the numbers."""
-  from specache_jax.bench.models import SHAPES
-  from specache_jax.model.config import ModelConfig
+  from experiments.lib.models import SHAPES
   from specache_jax.model.init import init_params
+  from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**SHAPES["llama3-8b"], name="llama3-8b")
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
   method = sj.cache_config("specache", bits=1, group_size=64, residual=64, topk=64, offload=True)

@@ -1,6 +1,8 @@
-"""Packaging (issue 15): pyproject's ranges hold the requirements*.txt pins; `python -m build` makes a wheel and an
-sdist carrying the configs and the Austen texts; the wheel, installed into a fresh venv with the assets, generates
-with the tiny model and with SmolLM2 from outside the checkout; the assets helper's logic."""
+"""Packaging (issue 15): pyproject's ranges hold the requirements*.txt pins; `python -m build` makes a wheel of the
+library alone (`specache_jax`, `pallas_kernels`: no `experiments` or `configs`, which would collide in
+site-packages) with the Austen texts, and an sdist; the wheel, installed into a fresh venv with the assets,
+generates with SmolLM2 from outside the checkout, and the checkout's launchers and configs run on it; the assets
+helper's logic."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -8,6 +10,7 @@ import io
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,7 +26,8 @@ from specache_jax.data import corpora
 
 ROOT = fresh_venv.ROOT
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-TOP_LEVEL = ("configs", "experiments", "pallas_kernels", "specache_jax")
+TOP_LEVEL = ("pallas_kernels", "specache_jax")
+HARNESS = ("configs", "experiments")          # run from a checkout, never installed
 
 
 def _by_name(entries: list[str]) -> dict[str, Requirement]:
@@ -124,7 +128,7 @@ def dist(tmp_path_factory) -> dict[str, pathlib.Path]:
   return {"src": src, "wheel": wheels[0], "sdist": sdists[0]}
 
 
-def test_wheel_holds_every_module_the_configs_and_the_austen_texts(dist):
+def test_wheel_holds_every_library_module_and_the_austen_texts_and_no_harness(dist):
   src = dist["src"]
   with zipfile.ZipFile(dist["wheel"]) as z:
     names = set(z.namelist())
@@ -134,8 +138,7 @@ def test_wheel_holds_every_module_the_configs_and_the_austen_texts(dist):
     austen_sizes = {n: z.getinfo(n).file_size for n in names if n.startswith("specache_jax/data/austen/")}
   modules = {p.relative_to(src).as_posix() for top in TOP_LEVEL for p in (src / top).rglob("*.py")}
   assert modules <= names, sorted(modules - names)
-  assert {f"configs/{p.name}" for p in (src / "configs").glob("*.py")} <= names
-  assert "configs/niah.py" in names and "experiments/gpu_check.sh" in names
+  assert not [n for n in names if n.split("/", 1)[0] in HARNESS], sorted(names)[:20]
   assert "specache_jax/cpu_kernels/skinny_matmul.cc" in names        # compiled where the wheel is used
   assert sorted(top_level) == list(TOP_LEVEL) and not any(n.startswith("tests/") for n in names)
   want = {f"specache_jax/data/austen/{stem}.txt" for stem in corpora.AUSTEN_TITLES} | {
@@ -152,22 +155,23 @@ def test_wheel_holds_every_module_the_configs_and_the_austen_texts(dist):
 def test_sdist_holds_what_building_the_wheel_needs(dist):
   with tarfile.open(dist["sdist"]) as t:
     names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-  need = {"pyproject.toml", "setup.py", "README.md", "configs/niah.py", "specache_jax/assets.py",
+  need = {"pyproject.toml", "setup.py", "README.md", "specache_jax/assets.py",
           "data/austen/SOURCE.md"} | {f"data/austen/{stem}.txt" for stem in corpora.AUSTEN_TITLES}
   assert need <= names, sorted(need - names)
 
 
 # ------------------------------------------------------------------------------ the wheel in a fresh venv
 _OUTSIDE_SCRIPT = r"""
+import importlib.util
 import json
-import configs.generate
 import specache_jax as sj
 from specache_jax.data import corpora
 
 smol = sj.load_model("smollm2-135m")
 out = sj.generate(smol, [smol.tokenizer.encode("The capital of France is")], max_new_tokens=4, stop_tokens=())
 print("RESULT " + json.dumps({
-    "specache_jax": sj.__file__, "configs": configs.generate.__file__, "austen": str(corpora.austen_dir()),
+    "specache_jax": sj.__file__, "austen": str(corpora.austen_dir()),
+    "harness": [m for m in ("experiments", "configs") if importlib.util.find_spec(m) is not None],
     "novels": [t for t, _ in corpora.austen_novels()], "smollm2": smol.tokenizer.decode(out.tokens[0].tolist())}))
 """
 
@@ -188,16 +192,19 @@ def test_wheel_installs_into_a_fresh_venv_and_generates_outside_the_checkout(dis
   log = fresh_venv.run([venv.python, "-c", _OUTSIDE_SCRIPT], cwd=outside, env=env)
   got = json.loads(log.split("RESULT ", 1)[1])
   site = venv.path.resolve()
-  for key in ("specache_jax", "configs", "austen"):
+  assert got["harness"] == [], got["harness"]            # the wheel installs no `experiments` or `configs`
+  for key in ("specache_jax", "austen"):
     assert pathlib.Path(got[key]).resolve().is_relative_to(site), (key, got[key])
   assert got["novels"] == sorted(corpora.AUSTEN_TITLES.values())
   assert got["smollm2"].startswith(" Paris"), got
 
-  config_file = pathlib.Path(got["configs"])               # the tiny model through the installed launcher+config
-  launched = fresh_venv.run([venv.python, "-m", "experiments.generate", f"--config={config_file}:tiny"],
-                            cwd=outside, env=env)
+  harness = tmp_path / "harness"                # the checkout's launchers and configs, without the library:
+  for top in HARNESS:                           # the tiny model through them on the installed wheel
+    shutil.copytree(dist["src"] / top, harness / top)
+  launched = fresh_venv.run([venv.python, "-m", "experiments.generate", "--config=configs/generate.py:tiny"],
+                            cwd=harness, env=env)
   from configs import generate as generate_cfg              # the same run in this (checkout) process
-  from specache_jax.experiments_lib import generate, models
+  from experiments.lib import generate, models
   want = generate.run(generate_cfg.get_config("tiny"), model=models.load("tiny-random"))
   printed = want.text.replace("\r\n", "\n").replace("\r", "\n")     # as a text-mode pipe reads it
   assert want.new_tokens == 16 and printed in launched, launched[-2000:]

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specache_jax as sj
 from configs import peer_bench as peer_cfg
-from specache_jax.bench import machine, peer
-from specache_jax.bench import models as bench_models
+from experiments.lib import methods as exp_methods
+from experiments.lib import models as exp_models
+from experiments.lib.bench import machine, peer, peer_hf
+from experiments.lib.bench import models as bench_models
+from experiments.lib.perplexity import text_windows
+import specache_jax as sj
 from specache_jax.caches.budget import device_bytes_at
-from specache_jax.experiments_lib import methods as exp_methods
-from specache_jax.experiments_lib import models as exp_models
-from specache_jax.experiments_lib.perplexity import text_windows
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def tiny():
 
 
 def test_hf_model_from_our_params_computes_our_logits(tiny):
-  hf = peer.hf_model(tiny, "params", "eager")
+  hf = peer_hf.hf_model(tiny, "params", "eager")
   ids = np.random.RandomState(0).randint(0, tiny.config.vocab_size, size=(2, 19))
   ours = np.asarray(sj.forward(tiny, ids.tolist()))
   with torch.no_grad():
@@ -46,23 +46,23 @@ def test_hf_model_from_our_params_computes_our_logits(tiny):
 
 @pytest.mark.parametrize("cache", ["dynamic", "quanto"])
 def test_hf_runner_prefill_then_steps(tiny, cache):
-  hf = peer.hf_model(tiny)
+  hf = peer_hf.hf_model(tiny)
   tokens = np.random.RandomState(1).randint(0, tiny.config.vocab_size, size=(2, 40)).astype(np.int32)
   spec = {"cache": cache} if cache == "dynamic" else {"cache": cache, "nbits": 2, "q_group_size": 16,
                                                        "residual_length": 16}
-  r = peer.HFRunner(hf, spec, tokens, np.full(2, 40))
+  r = peer_hf.HFRunner(hf, spec, tokens, np.full(2, 40))
   assert r.prefill() > 0 and r.chain(3) > 0
   rec = r.finish()
   assert r.tokens().shape == (2, 4) and rec["seq_length"] == 43 and rec["cache_bytes_held"] > 0
   with pytest.raises(ValueError, match="equal-length prompts"):
-    peer.HFRunner(hf, spec, tokens, np.array([40, 39]))
+    peer_hf.HFRunner(hf, spec, tokens, np.array([40, 39]))
   with pytest.raises(ValueError, match="must be one of"):
-    peer.HFRunner(hf, {"cache": "static"}, tokens, np.full(2, 40))
+    peer_hf.HFRunner(hf, {"cache": "static"}, tokens, np.full(2, 40))
 
 
 def test_bytes_and_flops_formulas():
-  cfg = bench_models.SHAPES["smollm2-135m"]
-  from specache_jax.model.config import ModelConfig
+  cfg = exp_models.SHAPES["smollm2-135m"]
+  from specache_jax.model_config import ModelConfig
   cfg = ModelConfig(**cfg, name="smollm2")
   full = sj.cache_config("full")
   for s, b in [(1024, 1), (8192, 4)]:

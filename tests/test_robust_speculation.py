@@ -322,7 +322,7 @@ def test_a_preset_label_goes_stale_when_the_preset_is_redefined(monkeypatch):
   """Stored cells of a preset label carry its resolved settings in their fingerprint: a redefined preset
   recomputes them instead of reusing the old preset's results."""
   import ml_collections
-  from specache_jax.experiments_lib import methods
+  from experiments.lib import methods
   config = ml_collections.ConfigDict(dict(methods=dict(r=dict(name="specache", bits=1, preset="robust"),
                                                        f=dict(name="specache", bits=1))))
   before = methods.settings_fingerprint_parts(config, "r")

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from experiments.lib.models import CharTokenizer
 from specache_jax.data import ruler
 from specache_jax.data.ruler import aggregation, haystacks, niah, tasks
-from specache_jax.experiments_lib.models import CharTokenizer
 
 CHAR = CharTokenizer()
 LENGTH = 2500                     # characters = tokens of the char tokenizer; below 4096 (cwe's short counts)
@@ -299,7 +299,7 @@ def test_predictions_are_cleaned_as_ruler_does():
 
 # ---------------------------------------------------------------------------------------------------- sweep
 def test_wilson_interval_by_hand():
-  from specache_jax.experiments_lib import ruler as sweep
+  from experiments.lib import ruler as sweep
   lo, hi = sweep.wilson(0.0, 10)
   assert lo == 0.0 and hi == pytest.approx(0.27754, abs=1e-5)
   lo, hi = sweep.wilson(1.0, 10)
@@ -309,8 +309,8 @@ def test_wilson_interval_by_hand():
 
 
 def test_summary_table_in_the_papers_layout(tmp_path):
-  from specache_jax.experiments_lib import ruler as sweep
-  from specache_jax.experiments_lib.store import ResultStore
+  from experiments.lib import ruler as sweep
+  from experiments.lib.store import ResultStore
   store = ResultStore(tmp_path / "r.json")
   got = {("full", "niah_single_1"): [1, 1, 0, 1], ("full", "vt"): [0.8, 0.6],
          ("specache_1bit", "niah_single_1"): [1, 0, 0, 0], ("specache_1bit", "vt"): [0.2, 0.2]}
@@ -331,7 +331,7 @@ def test_summary_table_in_the_papers_layout(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-  from specache_jax.experiments_lib import models
+  from experiments.lib import models
   return models.load("tiny-random")
 
 
@@ -341,7 +341,7 @@ def test_the_test_variant_end_to_end_with_qa_and_rerun_reuses_every_cell(tiny, t
   import numpy as np
 
   from configs import ruler as ruler_cfg
-  from specache_jax.experiments_lib import ruler as sweep
+  from experiments.lib import ruler as sweep
   squad = tmp_path / "dev-v2.0.json"
   _squad_fixture(squad, random.Random(2))
   c = ruler_cfg.get_config("test")
@@ -368,8 +368,8 @@ def test_the_test_variant_end_to_end_with_qa_and_rerun_reuses_every_cell(tiny, t
 
 def test_sweep_refuses_a_missing_qa_file_before_loading_a_model(tmp_path):
   from configs import ruler as ruler_cfg
-  from specache_jax.experiments_lib import ruler as sweep
-  from specache_jax.model.config import ConfigError
+  from experiments.lib import ruler as sweep
+  from specache_jax.errors import ConfigError
   c = ruler_cfg.get_config("test")
   c.output_dir, c.tasks, c.model = str(tmp_path), "vt,qa_2", "/nonexistent/model"
   with pytest.raises(ConfigError, match=r"hotpot_dev_distractor_v1\.json"):

@@ -53,7 +53,7 @@ def test_needles_retrieved_by_full_specache_2bit_and_1bit_robust(model, tmp_path
   k=64 retrieves no needle (speculation misses; it answers "eat a sandwich." and drops "Dolores Park"), and 2-bit
   misses 3 of 6 cells. (1-bit at k=256 retrieved these cells too; dropped from this test for CI time.)"""
   from configs.niah import get_config
-  from specache_jax.experiments_lib import niah
+  from experiments.lib import niah
   config = get_config("cpu")
   config.lengths = "1024"
   config.depths = "0.25,0.75"

@@ -131,7 +131,7 @@ def test_generation_with_large_topk_equals_full_and_reports_hit_rates():
 
 
 def _smollm2_shape(**kw):
-  from specache_jax.model.config import ModelConfig
+  from specache_jax.model_config import ModelConfig
   return ModelConfig(architecture="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
                      head_dim=64, ffn_dim=1536, max_position=8192)
 

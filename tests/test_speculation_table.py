@@ -1,11 +1,11 @@
-"""Issue 14's ablation table joins the experiments' stores (experiments_lib/speculation.py): its numbers are the
+"""Issue 14's ablation table joins the experiments' stores (experiments/lib/speculation.py): its numbers are the
 stores' numbers, a missing store leaves '–' and the bar unmet, and the bar is checked as the issue states it."""
 import json
 import math
 
 import pytest
 
-from specache_jax.experiments_lib import speculation
+from experiments.lib import speculation
 
 
 def _write(path, cells):

@@ -12,7 +12,7 @@ import pytest
 import specache_jax as sj
 from specache_jax import decode, sharding
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig, from_hf_config
+from specache_jax.model_config import ModelConfig, from_hf_config
 from specache_jax.offload import MemoryPlanError
 from tests.tiny import TinyModel, tiny_config, tiny_model
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
+from specache_jax.model_config import ModelConfig
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 
 class MethodModule(Protocol):

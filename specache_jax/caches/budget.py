@@ -15,7 +15,7 @@ from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import cache_config
 from specache_jax.caches.base import CacheConfig
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 EVICTION_METHODS = ("streaming", "h2o")
 

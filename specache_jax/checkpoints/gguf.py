@@ -17,7 +17,7 @@ from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
 from specache_jax.checkpoints.headers import TensorInfo, gguf_header
 from specache_jax.checkpoints.hf import assemble, check_layer_count, expected_tensors
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig, RopeScaling
+from specache_jax.model_config import ModelConfig, RopeScaling
 
 # GGUF architecture -> (ModelConfig.architecture, Q/K rows permuted by llama.cpp's converter)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}

@@ -18,8 +18,8 @@ import numpy as np
 from specache_jax.checkpoints import CheckpointError, resolve_dtype, to_jax
 from specache_jax.checkpoints.headers import safetensors_header
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig, from_hf_config
 from specache_jax.model.init import param_shapes
+from specache_jax.model_config import ModelConfig, from_hf_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from specache_jax.checkpoints import CheckpointError, resolve_dtype
-from specache_jax.model.config import ModelConfig, RopeScaling
 from specache_jax.model.init import param_shapes
+from specache_jax.model_config import ModelConfig, RopeScaling
 from specache_jax.tokenizer import Tokenizer
 
 MARKER = "specache_model.json"

@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from specache_jax.checkpoints import CheckpointError, gguf, hf, orbax as orbax_io, resolve_dtype
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 from specache_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
 from specache_jax.cpu_kernels import dense
-from specache_jax.model.config import ModelConfig
 from specache_jax.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
+from specache_jax.model_config import ModelConfig
 
 PHASES = ("prefill", "decode", "predecode")
 ROW_CHUNK = 1024   # rows (batch x positions) per piece of a long prompt's per-row work (projections, MLP)

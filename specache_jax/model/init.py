@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specache_jax.cpu_kernels import dense
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 
 def rms_norm(x, weight, eps: float):

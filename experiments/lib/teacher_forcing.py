@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from specache_jax import decode
 from specache_jax.caches.base import CacheConfig
 from specache_jax.model import decoder
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 
 def _nll(logits_BV, target_B):

@@ -24,9 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from experiments.lib.bench import states, timing
+from experiments.lib.bench.common import random_prompts
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import states, timing
-from specache_jax.bench.common import random_prompts
 from specache_jax.caches import attention as A
 from specache_jax.caches import cache_config, lowbit
 from specache_jax.caches import selection

@@ -13,10 +13,10 @@ import json
 import pathlib
 import time
 
+from experiments.lib import methods, models, report
+from experiments.lib.store import (ResultStore, SweepResult, atomic_write_json, atomic_write_text,
+                                   fingerprint)
 from specache_jax.data import longbench as lb
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import (ResultStore, SweepResult, atomic_write_json, atomic_write_text,
-                                                fingerprint)
 
 
 def prompt_ids(tokenizer, task: str, example: lb.Example, max_prompt_tokens: int) -> list[int]:

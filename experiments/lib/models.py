@@ -17,10 +17,29 @@ from specache_jax import chat_template
 from specache_jax.api import generate
 from specache_jax.arrays import DTYPES
 from specache_jax.checkpoints.registry import Model, load_model
-from specache_jax.model.config import ModelConfig
 from specache_jax.model.init import init_params
+from specache_jax.model_config import ModelConfig
 
 TINY_PREFIX = "tiny-random"
+# Named model shapes: the benchmarks' `random:<shape>` models (bench/models.py) and the memory plans.
+SHAPES = {
+    # SmolLM2-135M(-Instruct): the project's embedded checkpoint.
+    "smollm2-135m": dict(architecture="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                         head_dim=64, ffn_dim=1536, norm_eps=1e-5, rope_theta=100000.0, max_position=8192,
+                         tie_embeddings=True, eos_token_ids=(2,)),
+    # Llama-3.2-1B: a mid-size GQA decoder for the GPU sweep.
+    "llama3.2-1b": dict(architecture="llama", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                        head_dim=64, ffn_dim=8192, norm_eps=1e-5, rope_theta=500000.0, max_position=131072,
+                        tie_embeddings=True, eos_token_ids=(128009,)),
+    # Llama-3-8B: the paper's scale (GPU check, memory plans).
+    "llama3-8b": dict(architecture="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_position=8192,
+                      tie_embeddings=False, eos_token_ids=(128001, 128009)),
+    # A few-layer toy with head_dim 16 for the benchmark's own tests (group sizes up to 16).
+    "tiny": dict(architecture="llama", vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16,
+                 ffn_dim=64, rope_theta=10000.0, max_position=4096, eos_token_ids=()),
+}
+
 
 
 # Plain ChatML (no default system turn), written out character by character.

@@ -17,11 +17,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from experiments.lib import methods as exp_methods
+from experiments.lib.bench import overlap, states, timing
+from experiments.lib.bench.common import RuntimeDriver, error_reason, random_prompts
 from specache_jax import decode
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import overlap, states, timing
-from specache_jax.bench.common import RuntimeDriver, error_reason, random_prompts
-from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model import decoder as dec
 
 

@@ -25,12 +25,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax.bench.models import SHAPES
+from experiments.lib import methods
+from experiments.lib.models import SHAPES
+from experiments.lib.store import ResultStore
 from specache_jax.caches import cache_config
 from specache_jax.caches.budget import device_bytes_at
-from specache_jax.experiments_lib import methods
-from specache_jax.experiments_lib.store import ResultStore
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 FULL = "full"
 FAITHFUL = "specache_1bit"

@@ -14,11 +14,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from experiments.lib import methods as exp_methods
+from experiments.lib.bench import profile, states, timing
+from experiments.lib.bench.common import error_reason, random_prompts
 from specache_jax.arrays import tree_nbytes
-from specache_jax.bench import profile, states, timing
-from specache_jax.bench.common import error_reason, random_prompts
 from specache_jax.caches import budget
-from specache_jax.experiments_lib import methods as exp_methods
 from specache_jax.model.decoder import forward_jit
 
 

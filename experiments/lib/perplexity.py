@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lib import methods, models, report
+from experiments.lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
+from experiments.lib.teacher_forcing import max_len_for, teacher_forced_nll
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
-from specache_jax.experiments_lib.teacher_forcing import max_len_for, teacher_forced_nll
 
 CURVE_BLOCK = 128  # positions per point of the plotted curve
 

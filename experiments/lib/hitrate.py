@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
+from experiments.lib import methods, models, report
+from experiments.lib.perplexity import text_windows
+from experiments.lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 import specache_jax as sj
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.perplexity import text_windows
-from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 
 
 def run(config, model=None, command: str = "python -m experiments.hitrate --config=configs/hitrate.py",

@@ -18,7 +18,7 @@ intra_op_parallelism_threads=1" (ENVIRONMENT.md) whose XLA threads are pinned to
 those flags alone keep each op on one thread, but XLA:CPU's thunk executor still ran independent ops on a second
 thread (a profile showed two XLA threads each busy ~35 ms of an ~80 ms step), leaving the worker no core.
 
-  python -m specache_jax.bench.overlap '<json settings>'    # the subprocess entry: prints one JSON line
+  python -m experiments.lib.bench.overlap '<json settings>'    # the subprocess entry: prints one JSON line
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import dataclasses
 import glob
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -34,12 +35,13 @@ import time
 import jax
 import numpy as np
 
+from experiments.lib.bench import models, states, timing
+from experiments.lib.bench.common import RuntimeDriver, random_prompts
 from specache_jax.arrays import Ready
-from specache_jax.bench import models, states, timing
-from specache_jax.bench.common import RuntimeDriver, random_prompts
 from specache_jax.caches import cache_config
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+CHECKOUT = pathlib.Path(__file__).resolve().parents[3]     # the harness runs from here
 
 
 def pin_xla_threads() -> set[int]:
@@ -221,10 +223,11 @@ def main_settings(settings: dict) -> dict:
 
 def run_subprocess(settings: dict, single_thread: bool, timeout_s: float) -> dict:
   """`main_settings` in a fresh Python (optionally single-threaded XLA); returns its JSON or {skipped}."""
-  env = dict(os.environ)
+  env = dict(os.environ)             # the harness is imported from the checkout, whatever the working directory
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH", "")) if p)
   if single_thread:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA).strip()
-  cmd = [sys.executable, "-m", "specache_jax.bench.overlap", json.dumps(settings)]
+  cmd = [sys.executable, "-m", "experiments.lib.bench.overlap", json.dumps(settings)]
   t0 = time.perf_counter()
   try:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -254,7 +257,7 @@ def run_configured(config, log=print) -> dict:
 
 if __name__ == "__main__":
   if len(sys.argv) != 2:
-    raise SystemExit("usage: python -m specache_jax.bench.overlap '<json settings>'")
+    raise SystemExit("usage: python -m experiments.lib.bench.overlap '<json settings>'")
   settings = json.loads(sys.argv[1])
   pinned = pin_xla_threads() if settings.get("pin_xla") else None
   out = main_settings(settings)

@@ -2,7 +2,7 @@
 
 The variants are ordinary entries of `config.methods` (prefetch budget k, bits b, group size g, the 1-bit
 quantizer, speculative vs non-speculative fetch; plus references). This module runs the NIAH sweep
-(`experiments_lib.niah`) and the perplexity sweep (`experiments_lib.perplexity`) over them, each resumable in
+(`experiments.lib.niah`) and the perplexity sweep (`experiments.lib.perplexity`) over them, each resumable in
 its own sub-folder of `config.output_dir`, and joins their results into `summary.md` / `results.json`.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 import ml_collections
 
-from specache_jax.experiments_lib import methods, models, niah, perplexity, report
-from specache_jax.experiments_lib.store import SweepResult, atomic_write_json, atomic_write_text
+from experiments.lib import methods, models, niah, perplexity, report
+from experiments.lib.store import SweepResult, atomic_write_json, atomic_write_text
 
 PARTS = ("niah", "perplexity")
 

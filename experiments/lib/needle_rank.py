@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lib import models, niah, report
+from experiments.lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 from specache_jax import quant
 from specache_jax.caches import attention as A
 from specache_jax.errors import ConfigError
-from specache_jax.experiments_lib import models, niah, report
-from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 from specache_jax.model import decoder as dec
 
 RULES = {                      # rule label -> (bits, quant.py's one_bit rule)

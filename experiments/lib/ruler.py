@@ -20,13 +20,13 @@ import time
 import jax
 import numpy as np
 
+from experiments.lib import methods, models, report
+from experiments.lib.store import ResultStore, atomic_write_text, fingerprint
 from specache_jax import decode
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import ruler as ruler_data
 from specache_jax.data.ruler import qa as ruler_qa
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, atomic_write_text, fingerprint
-from specache_jax.model.config import ConfigError
+from specache_jax.errors import ConfigError
 
 GENERATOR_VERSION = 1      # bump when the generators change what a (task, length, index, seed) sample is
 

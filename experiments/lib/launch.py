@@ -1,5 +1,5 @@
-"""Flags every launcher shares (multi-host start-up, the device mesh) and the bodies of the sweep and benchmark
-launchers.
+"""Flags every launcher shares (multi-host start-up, the device mesh) and the body of the sweep launchers
+(the benchmark launchers' is `bench/launch.py`).
 
   --distributed      call `jax.distributed.initialize()` before anything else touches JAX (TPU slices, several
                      GPU hosts; the coordinator comes from the environment, as JAX documents)
@@ -17,11 +17,8 @@ import jax
 from absl import app, flags, logging
 
 from specache_jax import sharding
-from specache_jax.bench import models as bench_models
-from specache_jax.bench import report as bench_report
 from specache_jax.checkpoints import CheckpointError
 from specache_jax.errors import ConfigError
-from specache_jax.experiments_lib.store import atomic_write_text
 from specache_jax.offload import MemoryPlanError
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
@@ -74,6 +71,12 @@ def bad_input_as_usage(*extra: type):
     raise app.UsageError(f"{type(e).__name__}: {e}") from None
 
 
+def start_one_device(name: str, argv) -> None:
+  """`start` for a launcher that runs on one device: a --mesh is a usage error."""
+  if start(argv) is not None:
+    raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device; drop --mesh")
+
+
 def command_line(name: str) -> str:
   """The command that reproduces this run of `experiments.<name>` (recorded with its results)."""
   return shlex.join(["python", "-m", f"experiments.{name}"] + sys.argv[1:])
@@ -93,24 +96,3 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
   print(result.table)
   print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
         f"written to {config.output_dir}/")
-
-
-def write_result(out: str, result: dict, text: str) -> None:
-  """A benchmark's result dict as <out>.json and its markdown as <out>.md; the markdown is printed."""
-  atomic_write_text(out + ".json", bench_report.dumps(result))
-  atomic_write_text(out + ".md", text + "\n")
-  print(text)
-
-
-def run_benchmark(name: str, config, runner, markdown, argv) -> None:
-  """The body of the benchmark launchers: flags (one device) -> the model (bench/models.py) ->
-  runner(config, model, log) -> <config.out>.json and .md (markdown(result)), printed."""
-  if start(argv) is not None:
-    raise app.UsageError(f"--mesh={_MESH.value!r}: experiments.{name} runs on one device; drop --mesh")
-  logging.info("config:\n%s", config)
-  logging.info("devices: %s", jax.devices())
-  with bad_input_as_usage():
-    model = bench_models.load(config.model, config.dtype, config.seed)
-    result = runner(config, model, log=logging.info)
-  result["meta"]["command"] = command_line(name)
-  write_result(config.out, result, markdown(result))

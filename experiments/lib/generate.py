@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
+from experiments.lib import models
 import specache_jax as sj
-from specache_jax.experiments_lib import models
 
 
 class SettingsError(ValueError):

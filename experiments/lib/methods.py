@@ -15,7 +15,7 @@ from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
 from specache_jax.caches.budget import matched_budget
 from specache_jax.errors import ConfigError
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 
 
 def _as_dict(spec) -> dict[str, Any]:

@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
+from experiments.lib import methods, models, report
+from experiments.lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
 from specache_jax.data import niah as niah_data
-from specache_jax.experiments_lib import methods, models, report
-from specache_jax.experiments_lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
 
 
 PRIMARY = ""      # the config's own needle (config.needle, .question, .answer_keywords, .match)

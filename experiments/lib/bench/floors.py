@@ -1,10 +1,10 @@
 """A decode step's and a prefill's floors: the bytes a step must read and the FLOPs it must do (from shapes), and
-the machine's read bandwidth measured while a benchmark cell runs (`bench/machine.py` measures both limits)."""
+the machine's read bandwidth measured while a benchmark cell runs (`lib/bench/machine.py` measures both limits)."""
 from __future__ import annotations
 
 import jax
 
-from specache_jax.bench import machine, timing
+from experiments.lib.bench import machine, timing
 
 
 def weight_bytes_per_step(cfg, params) -> int:
