@@ -16,7 +16,7 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from specache_jax.checkpoints import gguf as gguf_io, hf
-from specache_jax.model.config import ModelConfig
+from specache_jax.model_config import ModelConfig
 from specache_jax.model.init import param_shapes
 
 CFG = ModelConfig("llama", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,

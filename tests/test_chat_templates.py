@@ -216,7 +216,7 @@ def test_llama2_checkpoint_loads_its_template(llama2_model):
 
 def test_niah_runs_with_a_llama2_template(llama2_model, tmp_path):
   from configs import niah as niah_cfg
-  from specache_jax.experiments_lib import niah
+  from experiments.lib import niah
   c = niah_cfg.get_config("test")
   c.lengths, c.depths, c.run_methods, c.max_new_tokens, c.output_dir = "324", "0.0,0.5", "full", 3, str(tmp_path)
   tok = llama2_model.tokenizer
@@ -234,7 +234,7 @@ def test_niah_runs_with_a_llama2_template(llama2_model, tmp_path):
 def test_ruler_runs_with_a_llama2_template(llama2_model, tmp_path):
   from configs import ruler as ruler_cfg
   from specache_jax.data import ruler
-  from specache_jax.experiments_lib import ruler as sweep
+  from experiments.lib import ruler as sweep
   c = ruler_cfg.get_config("test")
   c.tasks, c.run_methods, c.output_dir = "niah_single_1,vt", "full", str(tmp_path)
   tok = llama2_model.tokenizer
