@@ -1,6 +1,6 @@
 """SpeCache's κ choice: which stored positions' 16-bit rows the next attend reads, from an attention's
-probabilities (`Scores`, the form the fused kernels return them in) — the faithful top-k (`select`, `select_row`),
-the hedged split (`select_hedged`) — and the exact top-k they use (`top_k_indices`). `method` is a
+probabilities (`Scores`, the form the fused kernels return them in) — the top-k (`select`, `select_row`) with
+the anchored rows first (`anchored`) — and the exact top-k they use (`top_k_indices`). `method` is a
 `specache.SpeCacheConfig`."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from specache_jax.cpu_kernels import select as cpu_select
 def candidates(method, n_B):
   """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
   those below the ring's 16-bit columns (`lowbit.sixteen_bit_from`), which that attend never reads from κ."""
-  return lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring) if method.skip_ring else n_B
+  spec = method.speculation
+  return lowbit.sixteen_bit_from(n_B, method.residual, spec.exact_ring) if spec.skip_ring else n_B
 
 
 def select(method, probs_BKS, n_B):
@@ -87,19 +88,6 @@ def select_row(method, scores: Scores, row: int, n_B):
 def _candidate_scores(method, probs_BKS, n_B):
   ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
   return jnp.where(ok, probs_BKS, -1.0)
-
-
-def select_hedged(method, real_BKS, spec_BKS, n_B):
-  """κ_{t+1} with `hedge` of its k rows from the real row's probabilities (moved `hedge_shift` positions
-  forward) and the rest from the speculative row's, never the same position twice. [B, K, X] int32."""
-  s = real_BKS.shape[-1]
-  shift = method.hedge_shift
-  moved = jnp.pad(real_BKS, ((0, 0), (0, 0), (shift, 0)), constant_values=-1.0)[..., :s] if shift else real_BKS
-  from_real = top_k_indices(_candidate_scores(method, moved, n_B), method.hedge)
-  spec = _candidate_scores(method, spec_BKS, n_B)
-  spec = jax.vmap(jax.vmap(lambda p, i: p.at[i].set(-2.0)))(spec, from_real)    # below every candidate
-  from_spec = top_k_indices(spec, method.topk - method.hedge)
-  return jnp.concatenate([from_real, from_spec], axis=-1)
 
 
 # Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU, `cpu_kernels.select`'s kernel).
