@@ -123,9 +123,10 @@ class SpeCacheSpeculation:
     _check("lookup", self.lookup, int, 0)
     _check("lookup_rows", self.lookup_rows, int, 0)
     _check("anchor_match", self.anchor_match, int, 1)
-    if not self.speculative and (self.candidates > 1 or self.lookup):
-      raise ConfigError(f"candidates={self.candidates} / lookup={self.lookup} add speculative guesses; they need "
-                        "speculative=True")
+    if self.candidates > 1 and not self.speculative:
+      raise ConfigError(f"candidates={self.candidates} are speculative rows; they need speculative=True")
+    if self.lookup and not self.speculative:
+      raise ConfigError(f"lookup={self.lookup} adds a speculative guess; it needs speculative=True")
     if self.lookup_rows and not self.lookup:
       raise ConfigError(f"lookup_rows={self.lookup_rows} anchors κ where the tokens occurred before; it needs "
                         "lookup > 0 (the n-gram it matches)")
