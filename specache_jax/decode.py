@@ -163,10 +163,11 @@ def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
 def input_anchors(method: CacheConfig, tokens_BS, lengths_B, inp_BW):
   """Where the rows of the next input [B, W] copy from (`history.anchors`, [B, width] int32: a first input
   [B, 1] gets `history.NONE` for its candidates), or None without the speculation's `anchor_rows`."""
-  if not method.speculation.anchor_rows:
+  spec = method.speculation
+  if not spec.anchor_rows:
     return None
-  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, method.speculation.lookup, min_match=method.speculation.anchor_min_match)
-  pad = method.speculation.width - at_BW.shape[1]
+  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, spec.lookup, min_match=spec.anchor_min_match)
+  pad = spec.width - at_BW.shape[1]
   return jnp.pad(at_BW, ((0, 0), (0, pad)), constant_values=history.NONE) if pad else at_BW
 
 

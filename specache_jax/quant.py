@@ -17,9 +17,9 @@ stored. M - m is formed as M/2 - m/2 (no overflow for finite float32 inputs); hu
 an exact power of two before dividing, and a dequantized sum that overflows falls back to a halved
 computation. Limits: inputs must be finite; a scale or zero that does not fit the storage dtype is clamped
 to its largest finite value (only KIVI 1-bit, whose scale is M - m itself, can hit this for float32/bfloat16
-storage of float32/bfloat16 inputs, when it exceeds the dtype's max); XLA flushes float32 subnormals (|x| < 1.2e-38) to zero, so such inputs come back as 0, and a group
-whose scale would be subnormal (M - m below ~(2^b - 1) * 1.2e-38) collapses to its zero point (error at most
-M - m).
+storage of float32/bfloat16 inputs, when it exceeds the dtype's max); XLA flushes float32 subnormals
+(|x| < 1.2e-38) to zero, so such inputs come back as 0, and a group whose scale would be subnormal (M - m below
+~(2^b - 1) * 1.2e-38) collapses to its zero point (error at most M - m).
 
 All functions are pure jnp; `bits`, `group_size`, `one_bit`, `axis`, `dtype` and `n` are static.
 """

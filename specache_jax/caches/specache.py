@@ -302,7 +302,8 @@ def _next_kappa(method: SpeCacheConfig, st: State, probs_BKRS: selection.Scores,
 def attend_fetched(method: SpeCacheConfig, st: State, q, k_new, v_new, lengths):
   """Steps 2-3 of a SpeCache step, given the fetched rows of κ_t in the state and the real row's codes already
   stored (the ring still without it): attend (16-bit at κ_t and the ring, low-bit elsewhere) and select
-  κ_{t+1} (`_next_kappa`: the speculative rows' top-k; recorded in `st.kappa`, fetched by the caller). -> (out [B,T,N,H], st, aux)
+  κ_{t+1} (`_next_kappa`: the speculative rows' top-k; recorded in `st.kappa`, fetched by the caller).
+  -> (out [B,T,N,H], st, aux)
 
   aux: sync_fetch_heads [B], the fraction of KV heads whose κ_t was fetched on the critical path, with its
   counter sync_fetch_count (methods that may fetch so), and the top-k hit counters with track_hits."""
