@@ -10,15 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from specache_jax import cpu_kernels as ck
-from specache_jax.caches import lowbit
 from specache_jax.cpu_kernels import select as cpu_select
 
 
 def candidates(method, n_B):
   """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
-  those below the ring's 16-bit columns (`lowbit.sixteen_bit_from`), which that attend never reads from κ."""
-  spec = method.speculation
-  return lowbit.sixteen_bit_from(n_B, method.residual, spec.exact_ring) if spec.skip_ring else n_B
+  those below the ring's 16-bit columns (`SpeCacheConfig.sixteen_bit_from`), which that attend never reads from κ."""
+  return method.sixteen_bit_from(n_B) if method.speculation.skip_ring else n_B
 
 
 def select(method, probs_BKS, n_B):
@@ -49,7 +47,7 @@ def anchored(scores: Scores, anchors_BA, rows: int, low_below_B, window: int = A
   """`scores` with at most `rows` positions around the anchors [B, A] (`history.anchors`; negative: none)
   raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. Each
   anchor has a `window` of positions, half before it; of those the attend reads only in low bits (below
-  low_below_B [B], `lowbit.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
+  low_below_B [B], `SpeCacheConfig.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
   anchor first). One anchor gets its window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]

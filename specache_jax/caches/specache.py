@@ -139,6 +139,11 @@ class SpeCacheConfig(CacheConfig):
   def slots(self, max_len):
     return lowbit.round_slots(max_len, self.residual)
 
+  def sixteen_bit_from(self, n_B):
+    """[B]: the first position an attend after n_B stored tokens reads with 16-bit keys, the ring's (by KIVI's
+    rule past its last quantized window; with exact_ring all of it): `lowbit.sixteen_bit_from`."""
+    return lowbit.sixteen_bit_from(n_B, self.residual, self.speculation.exact_ring)
+
   def validate(self, model_cfg, max_len):
     try:
       quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
@@ -285,7 +290,7 @@ def _anchored(method: SpeCacheConfig, st: State, probs: selection.Scores, real: 
   spec = method.speculation
   if not spec.lookup_rows:
     return probs
-  low_below = lowbit.sixteen_bit_from(n_B, method.residual, spec.exact_ring)
+  low_below = method.sixteen_bit_from(n_B)
   return selection.anchored(probs, st.anchor[:, :1] if real else st.anchor[:, 1:], spec.lookup_rows, low_below)
 
 

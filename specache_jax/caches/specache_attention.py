@@ -38,7 +38,7 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
   n_kv = kn_BKTH.shape[1]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
   spec = method.speculation
-  exact_from = lowbit.sixteen_bit_from(lengths, method.residual, spec.exact_ring)
+  exact_from = method.sixteen_bit_from(lengths)
   s = st.low.k_codes.shape[2]
   kappa = st.kappa
   x = kappa.shape[-1]
