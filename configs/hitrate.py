@@ -22,7 +22,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_new_tokens = 256            # greedy tokens generated per prompt (no stop token: the full length)
   c.methods = dict(methods.standard(), **methods.robust())   # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "specache_1bit,specache_2bit"   # SpeCache labels only (track_hits is switched on); robust
-                                                  # speculation: e.g. specache_1bit_hedge16,specache_1bit_drift
+                                                  # speculation: e.g. specache_1bit_eom,specache_1bit_robust
   c.output_dir = "runs/hitrate"  # results.json (resumable), summary.md, hitrate.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored
   if arg == "gpu":

@@ -18,7 +18,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     del c[field]
   c.lengths = "1024,2048,4096" if arg == "cpu" else c.lengths
   c.depths = "0.1,0.25,0.5,0.75,0.9" if arg == "cpu" else c.depths
-  c.rules = "1bit_specache,1bit_mean,1bit_kivi,2bit"   # low-bit key rules scored (needle_rank.RULES)
+  c.rules = "1bit_specache,1bit_kivi,2bit"   # low-bit key rules scored (needle_rank.RULES)
   c.group_size = 64                 # SpeCache's g (per-channel key groups of g tokens)
   c.residual = 64                   # R: the last R prompt positions stay 16-bit (the ring)
   c.topk = 64                       # k: rows fetched per (layer, KV head)

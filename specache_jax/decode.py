@@ -6,12 +6,14 @@ the benchmarks.
      -> `observe_speculation` (tell the method which rows missed and, with prompt lookup, where the next
         input's rows copy from: `input_anchors`)
 
-A method with `keeps_tokens` (SpeCache's `lookup`) gets a cache that records its tokens' ids (`Cache.tokens`,
-history.py): `next_input` and `start` then take a looked-up guess among the model's (`lookup_guess`).
+What speculation changes here is read from one value, `method.speculation` (caches/speculation.py; one row per
+step for every method but SpeCache). With `keeps_tokens` (SpeCache's `lookup`) the cache records its tokens' ids
+(`Cache.tokens`, history.py): `next_input` and `start` then take a looked-up guess among the model's
+(`lookup_guess`).
 
 Every cache method runs through the same loop; a method that decodes speculative rows beside the real one
-(SpeCache: one guess of the next token, or its `candidates` likeliest) declares `decode_width = 1 + C` and the
-loop feeds `[T_t, T'_{t+1}, ...]` (the guesses all at position n + 1: the method's `row_offsets`). The jitted loop
+(SpeCache: one guess of the next token, or its `candidates` likeliest) has a speculation `width` of 1 + C and the
+loop feeds `[T_t, T'_{t+1}, ...]` (the guesses all at position n + 1: its `row_offsets`). The jitted loop
 carries a `DecodeState` and takes a `SamplingSpec`; decoding steps run the decoder's per-layer loop over a
 per-layer cache (`decoder.per_layer`) with per-layer params, so each layer's buffers are updated in place.
 """
@@ -26,7 +28,8 @@ import numpy as np
 from flax import struct
 
 from specache_jax import guards, history, sharding
-from specache_jax.caches.base import Cache, CacheConfig, observe_speculation as _observe
+from specache_jax.caches.base import Cache, CacheConfig
+from specache_jax.caches.speculation import observe as _observe
 from specache_jax.cpu_kernels import select as cpu_select
 from specache_jax.model import decoder
 from specache_jax.model_config import ModelConfig
@@ -105,10 +108,10 @@ def guess(logits_BV):
 
 
 def guesses(method: CacheConfig, logits_BV, looked_up_B=None):
-  """A speculative method's guesses of the next token: its decode_width - 1 likeliest, best first -> [B, C]
+  """A speculative method's guesses of the next token: its speculation width - 1 likeliest, best first -> [B, C]
   int32 (one: `guess`). looked_up_B [B] int32 (`lookup_guess`; `history.NONE` where none): replaces the last
   guess where it is not one of them already."""
-  c = method.decode_width - 1
+  c = method.speculation.width - 1
   top_BC = guess(logits_BV)[:, None] if c == 1 else cpu_select.top_k(logits_BV, c)
   if looked_up_B is None:
     return top_BC
@@ -119,17 +122,17 @@ def guesses(method: CacheConfig, logits_BV, looked_up_B=None):
 def lookup_guess(method: CacheConfig, tokens_BS, lengths_B, next_B):
   """The guess looked up in the tokens so far (`history.lookup` with the method's n-gram; the sequence is the
   cache's `lengths` tokens then `next`), or None for a method without `lookup`."""
-  if not method.keeps_tokens:
+  if not method.speculation.keeps_tokens:
     return None
   if tokens_BS is None:
-    raise ValueError(f"{method.name} with lookup_ngram={method.lookup_ngram} needs the cache's token ids "
+    raise ValueError(f"{method.name} with lookup={method.speculation.lookup} needs the cache's token ids "
                      "(Cache.tokens); build the cache with decode.init_cache")
-  return history.lookup(tokens_BS, lengths_B, next_B, method.lookup_ngram)
+  return history.lookup(tokens_BS, lengths_B, next_B, method.speculation.lookup)
 
 
 def first_input(method: CacheConfig, first_B, guesses_BC=None):
   """The first decoding input [B, W]: [T1] or, for a speculative method, [T1, its guesses of T2]."""
-  if method.decode_width > 1:
+  if method.speculation.width > 1:
     return jnp.concatenate([first_B[:, None], guesses_BC], axis=1)
   return first_B[:, None]
 
@@ -139,7 +142,7 @@ def next_input(method: CacheConfig, inp_BW, nxt_B, logits_BWV, tokens_BS=None, l
   guesses come from the speculative row whose guess was the sampled token (its logits saw the right
   history), else from the first candidate's (one guess: always its row). tokens_BS, lengths_B: the token ids
   stored after this step and their count (`Cache.tokens`, `Cache.lengths`), for a method with `lookup`."""
-  if method.decode_width == 1:
+  if method.speculation.width == 1:
     return first_input(method, nxt_B)
   hit = inp_BW[:, 1:] == nxt_B[:, None]                                      # [B, C]
   row = 1 + jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), 0)
@@ -150,7 +153,7 @@ def next_input(method: CacheConfig, inp_BW, nxt_B, logits_BWV, tokens_BS=None, l
 def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
   """(hits [] float32, steps [] float32, missed [B] bool) of this step's speculative tokens (a hit: one of the
   guesses was the sampled token); zeros for a one-row method. A row that is not active counts as neither."""
-  if method.decode_width == 1:
+  if method.speculation.width == 1:
     zero = jnp.zeros((), jnp.float32)
     return zero, zero, jnp.zeros(nxt_B.shape, bool)
   missed = ~jnp.any(inp_BW[:, 1:] == nxt_B[:, None], axis=-1)
@@ -158,25 +161,26 @@ def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
 
 
 def input_anchors(method: CacheConfig, tokens_BS, lengths_B, inp_BW):
-  """Where the rows of the next input [B, W] copy from (`history.anchors`, [B, decode_width] int32: a first input
-  [B, 1] gets `history.NONE` for its candidates), or None for a method without `anchor_rows`."""
-  if not method.anchor_rows:
+  """Where the rows of the next input [B, W] copy from (`history.anchors`, [B, width] int32: a first input
+  [B, 1] gets `history.NONE` for its candidates), or None without the speculation's `anchor_rows`."""
+  spec = method.speculation
+  if not spec.anchor_rows:
     return None
-  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, method.lookup_ngram, min_match=method.anchor_min_match)
-  pad = method.decode_width - at_BW.shape[1]
+  at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, spec.lookup, min_match=spec.anchor_min_match)
+  pad = spec.width - at_BW.shape[1]
   return jnp.pad(at_BW, ((0, 0), (0, pad)), constant_values=history.NONE) if pad else at_BW
 
 
 def observe_speculation(method: CacheConfig, cache: Cache, missed_B, inp_BW=None) -> Cache:
   """Tell a speculative method which rows' guesses all missed and, with `anchor_rows`, where the next input's
-  rows [B, W] copy from (its optional hook; see caches/base.py)."""
+  rows [B, W] copy from (`Speculation.observe`)."""
   anchors = None if inp_BW is None else input_anchors(method, cache.tokens, cache.lengths, inp_BW)
   return cache.replace(layers=_observe(method, cache.layers, missed_B, anchors))
 
 
 def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
   layers = method.impl.init(method, cfg, batch, max_len, dtype)
-  tokens = history.empty(batch, method.slots(max_len)) if method.keeps_tokens else None
+  tokens = history.empty(batch, method.slots(max_len)) if method.speculation.keeps_tokens else None
   return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32), tokens=tokens)
 
 
@@ -208,15 +212,15 @@ def prefill(params, cfg: ModelConfig, method: CacheConfig, tokens_BT, lengths_B,
 def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
   """After the first token: SpeCache's pre-decoding pass (over the low-bit copy; picks and fetches κ1) and its
   guess of token 2. Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
-  if not method.uses_predecode:
+  if not method.speculation.predecodes:
     return first_input(method, first_B), cache, None
   none_missed = jnp.zeros(first_B.shape, bool)
-  if method.anchor_rows:                                          # κ_1 is T1's: its own anchor
+  if method.speculation.anchor_rows:                                          # κ_1 is T1's: its own anchor
     cache = observe_speculation(method, cache, none_missed, first_B[:, None])
   logits, cache, _ = decoder.forward(params, cfg, first_B[:, None], cache, method, "predecode")
   looked_up = lookup_guess(method, cache.tokens, cache.lengths, first_B)
   inp = first_input(method, first_B, guesses(method, logits[:, 0], looked_up))
-  if method.anchor_rows:                                          # step 1's rows (κ_2 is the candidates')
+  if method.speculation.anchor_rows:                                          # step 1's rows (κ_2 is the candidates')
     cache = observe_speculation(method, cache, none_missed, inp)
   return inp, cache, logits[:, 0]
 
@@ -240,7 +244,7 @@ def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeStat
   nxt = jnp.where(state.done, spec.pad_id, sample(logits[:, 0], sub, spec))
   hits, steps, missed = speculation(method, state.inp, nxt, active)
   inp = next_input(method, state.inp, nxt, logits, cache.tokens, cache.lengths)
-  if method.decode_width > 1:
+  if method.speculation.width > 1:
     cache = observe_speculation(method, cache, missed, inp)
   return state.replace(
       step=state.step + 1, cache=cache, inp=inp,

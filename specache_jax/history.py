@@ -1,8 +1,8 @@
 """The ids of the tokens a cache holds, and what prompt lookup reads from them.
 
-A method with `keeps_tokens` (SpeCache with `lookup > 0`) carries `Cache.tokens` [B, S] int32: position p holds
-the id of the token stored at p (the prompt's, then each step's real row). Two uses, both a pass over [B, S] ids
-per step, no model call:
+A method whose speculation `keeps_tokens` (SpeCache with `lookup > 0`) carries `Cache.tokens` [B, S] int32:
+position p holds the id of the token stored at p (the prompt's, then each step's real row). Two uses, both a pass
+over [B, S] ids per step, no model call:
 
   lookup   the token that followed the latest earlier occurrence of the sequence's last tokens (the longest
            suffix of at most `ngram` that occurs): the guess a copying model makes (a needle's answer, a

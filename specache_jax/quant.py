@@ -9,13 +9,6 @@ P quantization groups along S (keys: P = S / g).
   x_hat = q * s + z.
 - SpeCache 1-bit (`one_bit="specache"`): z = (3m + M) / 4, s = (M - m) / 2, codes clipped to {0, 1}; the
   two levels are m + (M - m)/4 and m + 3(M - m)/4. `one_bit="kivi"` keeps the plain rule (levels m, M).
-  `one_bit="mean"` (a project option, not the paper's) places the two levels at the means of the group's
-  elements at or below / above the group mean μ (one Lloyd step from the threshold μ: the MSE-optimal levels
-  for that split), z = that lower mean, s = upper - lower; a group with nothing above μ has s = 0. Unlike the
-  range rules, one outlier does not push the group's other elements into one code. Same storage, same
-  dequantization (x_hat = q * s + z), codes by the nearest stored level as for every rule. Lower error on
-  keys, but SmolLM2's needle ranks worse in attention scored with it than with the range rules (it shrinks
-  the outlying coordinates that make a key stand out): results/speculation/needle_rank.
 - Codes are bit-packed along H: code j goes to byte j // (8/b), bits from (j % (8/b)) * b (little-endian).
 
 Numerics: statistics and codes are computed in float32. Scale and zero are rounded to the storage dtype
@@ -23,11 +16,10 @@ first and the codes are computed against the stored values, so dequantization is
 stored. M - m is formed as M/2 - m/2 (no overflow for finite float32 inputs); huge scales are rescaled by
 an exact power of two before dividing, and a dequantized sum that overflows falls back to a halved
 computation. Limits: inputs must be finite; a scale or zero that does not fit the storage dtype is clamped
-to its largest finite value (only KIVI 1-bit, whose scale is M - m itself, and the mean rule, whose scale can
-reach it, can hit this for float32/bfloat16 storage of float32/bfloat16 inputs, when it exceeds the dtype's
-max); XLA flushes float32 subnormals (|x| < 1.2e-38) to zero, so such inputs come back as 0, and a group
-whose scale would be subnormal (M - m below ~(2^b - 1) * 1.2e-38) collapses to its zero point (error at most
-M - m).
+to its largest finite value (only KIVI 1-bit, whose scale is M - m itself, can hit this for float32/bfloat16
+storage of float32/bfloat16 inputs, when it exceeds the dtype's max); XLA flushes float32 subnormals
+(|x| < 1.2e-38) to zero, so such inputs come back as 0, and a group whose scale would be subnormal (M - m below
+~(2^b - 1) * 1.2e-38) collapses to its zero point (error at most M - m).
 
 All functions are pure jnp; `bits`, `group_size`, `one_bit`, `axis`, `dtype` and `n` are static.
 """
@@ -39,7 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import BITS
 
-ONE_BIT_RULES = ("specache", "kivi", "mean")
+ONE_BIT_RULES = ("specache", "kivi")
 
 
 def validate(bits: int, group_size: int, head_dim: int, residual: int | None = None) -> None:
@@ -127,10 +119,7 @@ def quantize_minmax(x: jax.Array, bits: int, axis: int, one_bit: str = "specache
   lo = jnp.min(xf, axis=axis, keepdims=True)
   hi = jnp.max(xf, axis=axis, keepdims=True)
   half_range = hi * 0.5 - lo * 0.5                              # (M - m) / 2, cannot overflow
-  if bits == 1 and one_bit == "mean":
-    half_scale, zero = _mean_levels(xf, axis, lo, hi)
-    scale = half_scale * 2.0                                    # upper - lower (inf past float32's range)
-  elif bits == 1 and one_bit == "specache":
+  if bits == 1 and one_bit == "specache":
     scale = half_range                                          # (M - m) / 2
     zero = lo + half_range * 0.5                                # (3m + M) / 4, between m and M
   else:
@@ -147,41 +136,6 @@ def quantize_minmax(x: jax.Array, bits: int, axis: int, one_bit: str = "specache
   ratio = (xf * pre - z * pre) / (safe_s * pre)
   codes = jnp.clip(jnp.round(ratio), 0, 2**bits - 1).astype(jnp.uint8)
   return codes, scale_st, zero_st
-
-
-def _mean_levels(xf: jax.Array, axis: int, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The "mean" 1-bit rule in float32: ((upper - lower) / 2, lower), the means of the group's elements above /
-  at or below the group mean (kept within the group's min `lo` and max `hi`). Every sum adds terms already
-  divided by their count and the difference is halved, so both stay finite for finite float32 inputs (the
-  caller's upper - lower may not: clamped like KIVI 1-bit's M - m)."""
-  n = xf.shape[axis]
-  mu = jnp.sum(xf * (1.0 / n), axis=axis, keepdims=True)
-  above = xf > mu
-  n_hi = jnp.sum(above, axis=axis, keepdims=True).astype(jnp.float32)
-  n_lo = n - n_hi                     # a rounded mean of equal elements may leave either side empty
-  lower = jnp.sum(jnp.where(above, 0.0, xf / jnp.maximum(n_lo, 1.0)), axis=axis, keepdims=True)
-  upper = jnp.sum(jnp.where(above, xf / jnp.maximum(n_hi, 1.0), 0.0), axis=axis, keepdims=True)
-  lower = jnp.where(n_lo > 0, lower, upper)
-  upper = jnp.where(n_hi > 0, upper, lower)
-  # rounding may move a mean a little outside [m, M]; a constant group keeps its value exactly
-  lower, upper = jnp.clip(lower, lo, hi), jnp.clip(upper, lo, hi)
-  lower, upper = jnp.where(hi > lo, lower, lo), jnp.where(hi > lo, upper, lo)
-  return upper * 0.5 - lower * 0.5, lower                       # halved: the caller doubles it
-
-
-def range_levels(scale: jax.Array, zero: jax.Array, bits: int, one_bit: str) -> tuple[jax.Array, jax.Array]:
-  """(scale, zero) whose two 1-bit levels are the group's min m and max M, from a range rule's stored ones: the
-  SpeCache rule's (s = (M - m)/2, z = (3m + M)/4) give (2s, z - s/2); KIVI's and every b > 1 rule's already
-  span [m, M] (returned as they are). The codes stay valid: both 1-bit range rules split a group at (m + M)/2.
-  Computed in float32, returned in the stored dtype. The mean rule keeps no range: ValueError."""
-  _check_bits(bits)
-  _check_one_bit(one_bit)
-  if bits != 1 or one_bit == "kivi":
-    return scale, zero
-  if one_bit != "specache":
-    raise ValueError(f"{one_bit=} does not store its group's range (a range rule: 'specache' or 'kivi')")
-  s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
-  return _finite_clamp(s * 2.0, scale.dtype), _finite_clamp(z - s * 0.5, zero.dtype)
 
 
 def dequantize_minmax(codes: jax.Array, scale: jax.Array, zero: jax.Array, dtype=jnp.float32) -> jax.Array:

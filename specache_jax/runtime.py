@@ -4,7 +4,7 @@ The layers run in a few consecutive groups (`layer_groups`; 5 calls per step by 
 group: each call is a Python dispatch, and on a 2-core CPU or in front of a GPU the dispatching thread's time is
 not free. Step t, group g (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
   1. κ_t: take group g's rows fetched during step t-1 (double buffer: `pending[g]`), or — non-speculative,
-     exact_on_miss after a wrong guess, or drift (every layer: which heads drifted is known on the device only)
+     or exact_on_miss after a wrong guess
      — choose each layer's κ_t from the real row now (`specache.kappa_for_step`) and fetch it synchronously,
      layer by layer (the fetch on the critical path);
   2. run the group's layers (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends
@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from specache_jax import decode, guards, history, offload, sharding
 from specache_jax.caches import specache as sc
-from specache_jax.caches.base import observe_speculation
+from specache_jax.caches.speculation import observe as observe_speculation
 from specache_jax.model import decoder as dec
 
 
@@ -201,7 +201,7 @@ class OffloadRuntime:
     self._init()
     self._step_index = 0
     self._stored = np.asarray(lengths_B).astype(np.int64)
-    if self.method.keeps_tokens:
+    if self.method.speculation.keeps_tokens:
       self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
                                          jnp.asarray(tokens_BT))
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
@@ -234,7 +234,7 @@ class OffloadRuntime:
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
     pending = []
-    if self.method.anchor_rows:                                          # κ_1 is T1's: its own anchor
+    if self.method.speculation.anchor_rows:                                          # κ_1 is T1's: its own anchor
       self.states = list(_observe(tuple(self.states), None, self.tokens, lengths_B, first_B[:, None],
                                   method=self.method))
     x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, method=self.method, phase="predecode")
@@ -264,16 +264,14 @@ class OffloadRuntime:
     from prefill's).
 
     miss_B (numpy bool [B]): rows whose speculative token was wrong; with exact_on_miss they get the real
-    row's own top-k fetched synchronously instead of the prefetched rows. With drift every layer picks its
-    drifted heads on the device (`specache.corrected_heads`) and waits for the fetch of the κ that results
-    (the prefetched rows for the other heads are fetched again: not yet restricted to the drifted heads)."""
+    row's own top-k fetched synchronously instead of the prefetched rows."""
     method = self.method
+    spec = method.speculation
     self._step_index += 1
-    miss = jnp.asarray(miss_B) if method.exact_on_miss and method.speculative and miss_B is not None else None
-    if miss is not None or method.anchor_rows:
+    miss = jnp.asarray(miss_B) if spec.exact_on_miss and spec.speculative and miss_B is not None else None
+    if miss is not None or method.speculation.anchor_rows:
       self.states = list(_observe(tuple(self.states), miss, self.tokens, lengths_B, inp_BW, method=method))
-    sync = sc.fetches_on_critical_path(method) and (not method.speculative or method.drift > 0
-                                                    or bool(np.any(miss_B)))
+    sync = spec.fetches_on_critical_path and (not spec.speculative or bool(np.any(miss_B)))
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, method=self.method, phase="decode")
     if self.tokens is not None:                                          # the real row is stored at lengths
       self.tokens = _record(self.tokens, inp_BW, lengths_B)
@@ -281,7 +279,7 @@ class OffloadRuntime:
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
     nxt_pending = []
     for g, layers in enumerate(self.groups):
-      rows = pending[g].result() if method.speculative else None         # κ_t prefetched during step t-1
+      rows = pending[g].result() if spec.speculative else None           # κ_t prefetched during step t-1
       if sync:
         x = self._critical_path_group(g, x, lengths_B, rope, rows)
       else:
@@ -290,7 +288,7 @@ class OffloadRuntime:
         for l in layers:
           st = self.states[l]
           self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
-      if method.speculative:
+      if spec.speculative:
         nxt_pending.append(self._fetch_group(g))                          # κ_{t+1}: overlaps groups g+1..
     self._stored = stored
     self._guard(self._step_index, "decode", x)
@@ -305,7 +303,7 @@ class OffloadRuntime:
     logits = self.prefill(jnp.asarray(tokens_BT), lengths)
     rng, sub = jax.random.split(rng)
     first = decode.sample(logits, sub, spec)
-    if method.uses_predecode:
+    if method.speculation.predecodes:
       x, pending = self.predecode(first, lengths)
       head = _head(self.params, x, jnp.zeros_like(lengths), cfg=self.cfg)
       inp = decode.first_input(method, first, decode.guesses(
@@ -327,7 +325,7 @@ class OffloadRuntime:
       nxt, inp, hits, steps, missed = _sample_next(self.params, x, sub, inp, jnp.asarray(done), spec, self.tokens,
                                                    lengths + 1, cfg=self.cfg, method=method)
       nxt_np = np.asarray(nxt)                                              # the one sync of a step
-      miss = np.asarray(missed) if method.decode_width > 1 else None
+      miss = np.asarray(missed) if method.speculation.width > 1 else None
       spec_hits += float(hits)
       spec_steps += float(steps)
       num += (~done).astype(np.int32)

@@ -164,9 +164,9 @@ def check_generate(cfg: ModelConfig, params, method, tokens_BT, lengths_B, *, ma
   if not isinstance(method, CacheConfig):
     raise ConfigError(f"cache={method!r} must be a cache method config from sj.cache_config(...) or a name")
   check_sampling(max_new_tokens, temperature, top_p)
-  check_tokens(cfg, tokens_BT, lengths_B, max_new_tokens, method.decode_width - 1)
+  check_tokens(cfg, tokens_BT, lengths_B, max_new_tokens, method.speculation.width - 1)
   check_stop_tokens(cfg, stop_tokens)
-  max_len = decode.slots_for(int(np.max(lengths_B)) + max_new_tokens, method.decode_width)
+  max_len = decode.slots_for(int(np.max(lengths_B)) + max_new_tokens, method.speculation.width)
   check_cache_config(method, cfg, max_len)
   check_params(params, cfg)
   if mesh is not None:

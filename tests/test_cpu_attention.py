@@ -160,18 +160,17 @@ def _kernel_off():
 
 @needs_kernel
 @pytest.mark.parametrize("name,bits", [("specache", 1), ("specache", 2), ("kivi", 2), ("full", None),
-                                       ("candidates", 1), ("hedge", 1), ("scoreonly", 1)])
+                                       ("candidates", 1), ("scoreonly", 1)])
 def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
-  """A decoding step (two sequences, ragged; SpeCache simulated — faithful, two candidates + hedge, hedge: the
-  kernel gives several rows' probabilities —, scoreonly: the output and exact_on_miss's real-row scores without
+  """A decoding step (two sequences, ragged; SpeCache simulated — faithful, two candidates: the kernel gives
+  several rows' probabilities —, scoreonly: the output and exact_on_miss's real-row scores without
   the low-bit values —, KIVI: the mixed kernel; the full cache: the dense one) with the
   kernel and with the jnp ops: the same logits and cache (SpeCache's κ included); lowered for a GPU the kernel is
   not emitted."""
   model = tiny_model(seed=8, head_dim=32)
   cfg = model.config
   method = {"specache": lambda: _specache(bits=bits), "full": lambda: sj.cache_config("full"),
-            "candidates": lambda: _specache(bits=bits, candidates=2, hedge=2),
-            "hedge": lambda: _specache(bits=bits, hedge=3, hedge_shift=1),
+            "candidates": lambda: _specache(bits=bits, candidates=2),
             "scoreonly": lambda: _specache(bits=bits, candidates=2, exact_on_miss=True, lowbit_in_output=False),
             "kivi": lambda: sj.cache_config("kivi", bits=bits, group_size=16, residual=16)}[name]()
   target = ck.DENSE_TARGET if name == "full" else ck.ATTENTION_TARGET
@@ -180,12 +179,12 @@ def test_decode_step_takes_the_kernel_and_equals_xla(name, bits):
   cache = sj.decode.init_cache(method, cfg, 2, method.slots(96), jnp.float32)
   _, cache, _ = decoder.forward_jit(model.params, cfg, tokens, cache, method, "prefill",
                                     jnp.asarray([70, 45], jnp.int32))
-  if method.uses_predecode:
+  if method.speculation.predecodes:
     _, cache, _ = decoder.forward_jit(model.params, cfg, jnp.asarray([[3], [4]]), cache, method, "predecode")
   if name == "scoreonly":                              # row 1's speculative token missed: its κ_t from its scores
     miss = jnp.asarray([False, True])
     cache = cache.replace(layers=cache.layers.replace(miss=jnp.broadcast_to(miss, cache.layers.miss.shape)))
-  step = jnp.asarray([[3, 7, 2], [4, 1, 9]], jnp.int32)[:, :method.decode_width]
+  step = jnp.asarray([[3, 7, 2], [4, 1, 9]], jnp.int32)[:, :method.speculation.width]
 
   def run(x, c):
     return decoder.forward(model.params, cfg, x, c, method, "decode")[:2]

@@ -132,13 +132,13 @@ def test_perplexity_end_to_end_and_rerun_reuses_cells(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------------- hit rate
 def test_hitrate_end_to_end(tiny, tmp_path):
-  cfg = _cfg(hitrate_cfg, tmp_path, run_methods="specache_1bit,specache_1bit_drift,specache_1bit_nonspec")
+  cfg = _cfg(hitrate_cfg, tmp_path, run_methods="specache_1bit,specache_1bit_eom,specache_1bit_nonspec")
   res = hitrate.run(cfg, model=tiny, log=lambda *_: None)
   nonspec = res.records["specache_1bit_nonspec"]             # no speculative row: no token hit rate, no drift
   assert "exact_hit_rate" not in nonspec and nonspec["sync_fetch_rate"] == 1.0
   assert not {"topk_hit_rate_on_miss", "topk_hit_rate_on_hit"} & set(nonspec)   # no speculative token: no split
   assert "| specache_1bit_nonspec | – |" in (tmp_path / "summary.md").read_text()
-  for label in ("specache_1bit", "specache_1bit_drift"):
+  for label in ("specache_1bit", "specache_1bit_eom"):
     rec = res.records[label]
     assert 0.0 <= rec["exact_hit_rate"] <= 1.0 and 0.0 <= rec["topk_hit_rate"] <= 1.0
     assert len(rec["topk_hit_rate_per_layer"]) == tiny.config.n_layers
@@ -151,9 +151,9 @@ def test_hitrate_end_to_end(tiny, tmp_path):
     assert rec["unfetched_mass"] == pytest.approx(
         rec["unfetched_mass_on_hit"] * (1 - misses) + rec["unfetched_mass_on_miss"] * misses, abs=0.05)
   assert "sync_fetch_rate" not in res.records["specache_1bit"]
-  assert 0.0 < res.records["specache_1bit_drift"]["sync_fetch_rate"] <= 1.0
+  assert 0.0 < res.records["specache_1bit_eom"]["sync_fetch_rate"] <= 1.0
   summary = (tmp_path / "summary.md").read_text()
-  assert "| specache_1bit_drift |" in summary and "unfetched mass (after hit / miss)" in summary
+  assert "| specache_1bit_eom |" in summary and "unfetched mass (after hit / miss)" in summary
   assert (tmp_path / "hitrate.png").stat().st_size > 0
   cfg.run_methods = "full"
   with pytest.raises(ValueError, match="hit rates are SpeCache's"):

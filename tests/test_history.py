@@ -84,7 +84,7 @@ def _run(method, model, prompts, new_tokens):
   cfg, params = model.config, model.params
   toks = jnp.asarray(prompts, jnp.int32)
   b, t = toks.shape
-  cache = decode.init_cache(method, cfg, b, decode.slots_for(t + new_tokens, method.decode_width), jnp.float32)
+  cache = decode.init_cache(method, cfg, b, decode.slots_for(t + new_tokens, method.speculation.width), jnp.float32)
   logits, cache = decode.prefill(params, cfg, method, toks, jnp.full((b,), t, jnp.int32), cache)
   first = decode.guess(logits)
   inp, cache, _ = decode.start(params, cfg, method, first, cache)

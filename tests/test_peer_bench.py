@@ -92,7 +92,8 @@ def test_configs_have_cpu_gpu_test_and_robust_variants():
   robust = peer_cfg.get_config("robust")
   built = {label: exp_methods.build(robust, label, None, 4096, "float32") for label in exp_methods.labels(robust)}
   assert all(m.offload for label, m in built.items() if label != "full")
-  assert built["specache_1bit_cand2_offload"].candidates == 2 and built["specache_1bit_eom_offload"].exact_on_miss
+  assert (built["specache_1bit_cand2_offload"].speculation.candidates == 2
+          and built["specache_1bit_eom_offload"].speculation.exact_on_miss)
   with pytest.raises(ValueError, match="must be one of cpu, gpu, test, robust"):
     peer_cfg.get_config("tpu")
 

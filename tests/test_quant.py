@@ -47,11 +47,9 @@ def _round_trip(x, bits, axis, one_bit):
 
 def _rule_bound(lo, hi, bits, one_bit):
   """The largest error a rule allows on a group with min lo and max hi (before rounding slack): half a step for
-  the range rules; the mean rule's levels are anywhere in [lo, hi] (an element's nearest one may be hi - lo away)."""
+  the range rules."""
   if bits == 1 and one_bit == "specache":
     return (hi - lo) / 4
-  if bits == 1 and one_bit == "mean":
-    return hi - lo
   return (hi - lo) / (2**bits - 1) / 2
 
 
@@ -168,66 +166,7 @@ def test_specache_one_bit_through_keys_and_values():
                                 [2.0, 2.0, 2.0, 6.0, 2.0, 2.0, 2.0, 2.0])
 
 
-def _np_mean_rule(x, axis):
-  """The mean rule in float64 by loops' logic: split at the group mean, levels = the two sides' means, each
-  element to its nearer level (ties to the lower)."""
-  x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
-  out = np.empty_like(x)
-  for idx in np.ndindex(x.shape[:-1]):
-    g = x[idx]
-    above = g > g.mean()
-    lower = g[~above].mean()
-    upper = g[above].mean() if above.any() else lower
-    out[idx] = np.where(np.abs(g - upper) < np.abs(g - lower), upper, lower)
-  return np.moveaxis(out, -1, axis)
-
-
-def test_mean_one_bit_rule_by_hand_and_against_a_float64_reference():
-  # [0, 1, 2, 9]: mean 3, levels mean(0, 1, 2) = 1 and 9 -> [1, 1, 1, 9]; [0, 5 x 6, 10] (g = 8): mean 5,
-  # levels 30/7 and 10 -> 0 goes to 30/7 (the range rules' worst case is (M - m) / 2 away: here 4.29 < 5)
-  x = jnp.asarray([[0.0, 1.0, 2.0, 9.0, 0.0, 1.0, 2.0, 9.0], [0.0, 5, 5, 5, 5, 5, 5, 10]], jnp.float32)
-  codes, scale, zero = quant.quantize_minmax(x[:1, :4], 1, -1, one_bit="mean")
-  assert float(zero[0, 0]) == 1.0 and float(scale[0, 0]) == 8.0
-  np.testing.assert_array_equal(np.asarray(codes)[0], [0, 0, 0, 1])
-  x_hat = np.asarray(quant.dequantize_minmax(*quant.quantize_minmax(x, 1, -1, one_bit="mean")))
-  np.testing.assert_allclose(x_hat[1], [30 / 7] * 7 + [10.0], rtol=1e-6)
-  rng = np.random.default_rng(7)
-  y = rng.standard_normal((3, 5, 64)).astype(np.float32) * 3 + 1
-  for axis in (-1, 1):
-    got = np.asarray(quant.dequantize_minmax(*quant.quantize_minmax(jnp.asarray(y), 1, axis, one_bit="mean")))
-    np.testing.assert_allclose(got, _np_mean_rule(y, axis), rtol=1e-5, atol=1e-5)
-
-
-def test_mean_one_bit_rule_has_lower_error_than_the_range_rules_under_outliers():
-  # keys with a few outlier tokens per channel (a group's range is set by one element): the range rules put the
-  # group's other elements into one code; the mean rule still splits them
-  rng = np.random.default_rng(0)
-  k = rng.standard_normal((1, 3, 512, 64)).astype(np.float32)
-  k[:, :, ::97, 5] += 12.0
-  k[:, :, :, 7] += 3.0
-  mse = {}
-  for rule in ("specache", "kivi", "mean"):
-    qk = quant.quantize_keys(jnp.asarray(k), 1, 64, rule)
-    mse[rule] = float(jnp.mean((quant.dequantize_keys(qk, 1, 64) - k) ** 2))
-  assert mse["mean"] < 0.8 * mse["specache"] < mse["kivi"], mse
-
-
-def test_range_levels_are_kivis_levels_for_the_same_codes():
-  x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 3, 64, 16)) * 4 - 1, jnp.float32)
-  spec, kivi = (quant.quantize_keys(x, 1, 32, rule) for rule in ("specache", "kivi"))
-  np.testing.assert_array_equal(np.asarray(spec.codes), np.asarray(kivi.codes))        # one threshold: (m + M) / 2
-  scale, zero = quant.range_levels(spec.scale, spec.zero, 1, "specache")
-  np.testing.assert_allclose(np.asarray(scale), np.asarray(kivi.scale), rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(zero), np.asarray(kivi.zero), rtol=1e-6, atol=1e-6)
-  for bits, rule in ((1, "kivi"), (2, "specache"), (4, "kivi")):                       # already [m, M]
-    assert quant.range_levels(spec.scale, spec.zero, bits, rule)[0] is spec.scale
-  with pytest.raises(ValueError, match="one_bit='mean' does not store its group's range"):
-    quant.range_levels(spec.scale, spec.zero, 1, "mean")
-
-
-# ------------------------------------------------------------------------------------- edge numerics
-
-@pytest.mark.parametrize("bits,one_bit", [(1, "specache"), (1, "kivi"), (1, "mean"), (2, "specache"), (8, "kivi")])
+@pytest.mark.parametrize("bits,one_bit", [(1, "specache"), (1, "kivi"), (2, "specache"), (8, "kivi")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_constant_groups_are_exact(bits, one_bit, dtype):
   consts = jnp.asarray([0.0, -3.75, 1e30, -2e-38, 65504.0], dtype)
@@ -238,7 +177,7 @@ def test_constant_groups_are_exact(bits, one_bit, dtype):
   np.testing.assert_array_equal(np.asarray(v_hat, np.float32), np.asarray(x, np.float32))
 
 
-@pytest.mark.parametrize("bits,one_bit", [(1, "specache"), (1, "mean"), (2, "specache"), (4, "kivi"), (8, "kivi")])
+@pytest.mark.parametrize("bits,one_bit", [(1, "specache"), (1, "kivi"), (2, "specache"), (4, "kivi"), (8, "kivi")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_extreme_magnitudes_stay_finite_and_bounded(bits, one_bit, dtype):
   big = float(jnp.finfo(dtype).max)
@@ -367,7 +306,7 @@ def test_property_minmax_and_pack(case):
   assert np.all(np.isfinite(x_hat))
   constant = np.broadcast_to(lo == hi, x.shape)
   np.testing.assert_array_equal(x_hat[constant], xf[constant])
-  kivi_overflow = bits == 1 and one_bit in ("kivi", "mean") and np.any(hi - lo > float(np.finfo(x.dtype).max))
+  kivi_overflow = bits == 1 and one_bit == "kivi" and np.any(hi - lo > float(np.finfo(x.dtype).max))
   if x.dtype == np.float32 and not kivi_overflow:
     _check_minmax_error(x, bits, one_bit, axis)
   elif not kivi_overflow:

@@ -148,7 +148,7 @@ def test_offloaded_on_mesh_equals_unsharded_and_shards_the_host_store(store):
   toks, lens = sj.pad_prompts(random_prompts(5, LENGTHS, cfg.vocab_size))
   mesh = sharding.make_mesh(2, 2)
   method = sj.cache_config("specache", offload=True, host_store=store, **METHODS["specache"])
-  rt = OffloadRuntime(mdl.params, cfg, method, 4, decode.slots_for(max(LENGTHS) + NEW, method.decode_width),
+  rt = OffloadRuntime(mdl.params, cfg, method, 4, decode.slots_for(max(LENGTHS) + NEW, method.speculation.width),
                       mesh=mesh)
   out = rt.generate(toks, lens, NEW, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(out.tokens), _unsharded("specache"))

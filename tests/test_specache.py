@@ -22,11 +22,11 @@ def _decode_logits(model, method, prompt, n_prefill):
   cache = init_cache(method, cfg, 1, method.slots(len(prompt) + 4), jnp.float32)
   _, cache, _ = forward(params, cfg, toks[:, :n_prefill], cache, method, "prefill")
   out = []
-  if method.uses_predecode:
+  if method.speculation.predecodes:
     _, cache, _ = forward(params, cfg, toks[:, n_prefill:n_prefill + 1], cache, method, "predecode")
   for t in range(n_prefill, len(prompt)):
     spec = toks[:, min(t + 1, len(prompt) - 1)]
-    inp = jnp.stack([toks[:, t], spec], 1) if method.decode_width == 2 else toks[:, t:t + 1]
+    inp = jnp.stack([toks[:, t], spec], 1) if method.speculation.width == 2 else toks[:, t:t + 1]
     logits, cache, _ = forward(params, cfg, inp, cache, method, "decode")
     out.append(logits[0, 0])
   return jnp.stack(out), cache

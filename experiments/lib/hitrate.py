@@ -90,7 +90,7 @@ def write_outputs(config, store, labels, command, seconds) -> str:
            "the 16-bit ring, not in κ). Query drift: 1 - cosine between the real query and the speculative "
            "query that chose κ (same position). 'after hit / miss': steps whose κ was chosen by a right / "
            "wrong speculative token. Sync fetches: the share of (layer, KV head) fetches made on the critical "
-           "path (exact_on_miss, drift, non-speculative).",
+           "path (exact_on_miss, non-speculative).",
            f"Wall time of this invocation: {seconds:.0f} s."]
   atomic_write_text(out_dir / "summary.md", report.header("SpeCache hit rates and misses", command, notes) + "\n"
                     + table + "\n")

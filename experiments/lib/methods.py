@@ -88,8 +88,13 @@ def settings_fingerprint_parts(config, label: str) -> Mapping[str, Any]:
     spec["match_spec"] = dict(settings_fingerprint_parts(config, spec["match"]))
   if "preset" in spec:
     kw = {k: v for k, v in spec.items() if k not in ("name", "match", "match_spec", *RUN_OPTIONS)}
-    spec["preset_settings"] = settings_of(cache_config(spec["name"], **kw))
+    spec["preset_settings"] = {**RETIRED_OFF, **settings_of(cache_config(spec["name"], **kw))}
   return spec
+
+
+# Options SpeCache had when the committed cells were computed, at the value every preset had them (off): part of a
+# preset label's resolved settings, so those cells' fingerprints still match (docs/speculation.md: why removed).
+RETIRED_OFF = dict(hedge=0, hedge_shift=0, drift=0.0, candidate_merge="max", score_levels="stored")
 
 
 def standard() -> dict[str, dict[str, Any]]:
@@ -107,8 +112,9 @@ def standard() -> dict[str, dict[str, Any]]:
 
 
 def robust() -> dict[str, dict[str, Any]]:
-  """SpeCache 1-bit (the paper's settings) with each robust-speculation option (caches/specache.py), the
-  critical-path references (exact_on_miss, non-speculative) and a combination, keyed by label."""
+  """SpeCache 1-bit (the paper's settings) with its speculation variants (caches/speculation.py,
+  docs/speculation.md): the critical-path references (exact_on_miss, non-speculative), each option alone, the
+  robust preset and its earlier forms, keyed by label — the labels committed results name."""
   base = standard()["specache_1bit"]
   # the robust preset before prompt lookup (its cells' label until then: specache_1bit_robust); the robust_*
   # variants below are that combination with one change
@@ -120,10 +126,6 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_nonspec": dict(base, speculative=False),                   # κ_t from T_t, always on the path
       "specache_1bit_skipring": dict(base, skip_ring=True),
       "specache_1bit_exactring": dict(base, exact_ring=True, skip_ring=True),   # the ring's 16-bit keys, κ outside it
-      "specache_1bit_hedge16": dict(base, hedge=16),                             # 16 of 64 rows from the real row
-      "specache_1bit_hedge16s": dict(base, hedge=16, hedge_shift=1),             # ... one position on
-      "specache_1bit_drift": dict(base, drift=0.3),                              # results/speculation/hitrate
-      "specache_1bit_drift10": dict(base, drift=0.1),     # SmolLM2's drift: ~0.01 after a hit, ~0.2 after a miss
       # the preset (caches/specache.py): its own k (128, half of it for anchors), not the paper's 64
       "specache_1bit_robust": dict({k: v for k, v in base.items() if k != "topk"}, preset="robust"),
       # the preset until it read the ring's 16-bit keys (exact_ring, skip_ring): the ring's last quantized
@@ -131,11 +133,8 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_robust_kiviring": dict({k: v for k, v in base.items() if k != "topk"}, **kivi_ring),
       # the preset until anchors kept half of κ for the scores: k = 64, all of it for anchors
       "specache_1bit_robust_k64": dict(base, **kivi_ring, lookup_rows=64),
-      "specache_1bit_skiphedgedrift": dict(base, skip_ring=True, hedge=16, hedge_shift=1, drift=0.1),
       "specache_1bit_cand2": dict(base, candidates=2),          # the 2 likeliest next tokens, max-merged
       "specache_1bit_cand3": dict(base, candidates=3),
-      "specache_1bit_cand2mean": dict(base, candidates=2, candidate_merge="mean"),
-      "specache_1bit_cand2drift10": dict(base, candidates=2, drift=0.1),   # drift: the nearer candidate
       "specache_1bit_cand2eom": dict(base, candidates=2, exact_on_miss=True),  # refetch only if both missed
       "specache_1bit_cand3eom": dict(base, candidates=3, exact_on_miss=True),
       # the rest of the issue's byte budget (<= 0.12x the full cache, bf16, 8k) spent on fetched rows: k=128 is
@@ -147,24 +146,14 @@ def robust() -> dict[str, dict[str, Any]]:
       "specache_1bit_scoreonly": dict(base, lowbit_in_output=False),
       "specache_1bit_eom_scoreonly": dict(base, exact_on_miss=True, lowbit_in_output=False),
       "specache_1bit_cand3eom_scoreonly": dict(base, candidates=3, exact_on_miss=True, lowbit_in_output=False),
-      "specache_1bit_drift10_scoreonly": dict(base, drift=0.1, lowbit_in_output=False),
       # ... and a synchronous κ_t choice scores the prefetched rows from their 16-bit keys
-      "specache_1bit_eom_fetched": dict(base, exact_on_miss=True, correct_with_fetched=True),
       "specache_1bit_eom_fetched_scoreonly": dict(base, exact_on_miss=True, correct_with_fetched=True,
                                                   lowbit_in_output=False),
       "specache_1bit_cand3eom_fetched_scoreonly": former,
       "specache_1bit_robust_k128": dict(former, topk=128),
-      # the 1-bit levels at the means of each group's halves split at its mean (quant.py), not the range's
-      "specache_1bit_mean": dict(base, one_bit="mean"),
-      "specache_1bit_robust_mean": dict(former, one_bit="mean"),
       # KIVI's 1-bit levels (m, M) rank the needle higher (results/speculation/needle_rank); stored as the levels
-      # (one_bit="kivi") they also reach the pre-decoding pass's output and the ring's keys and break the answers;
-      # score_levels="range" scores at them and keeps the stored levels wherever a low-bit key enters an output
+      # (one_bit="kivi") they also reach the pre-decoding pass's output and the ring's keys and break the answers
       "specache_1bit_robust_kivi": dict(former, one_bit="kivi"),
-      "specache_1bit_robust_range": dict(former, score_levels="range"),
-      # prompt lookup (history.py), which the robust preset now has: the token after the last tokens' latest
-      # earlier occurrence as a guess only (no anchored rows)
-      "specache_1bit_robust_lookup": dict(former, lookup=3),
       # the k = 64 preset above with anchors only on repeats of 4+ tokens (matched up to 8): fewer anchors in prose
       "specache_1bit_robust_match4": dict(base, **kivi_ring, lookup_rows=64, lookup=8, anchor_match=4),
       # ... on repeats of 6+ (the last 3 steps' lookups were right: a copy in progress, not a common phrase)

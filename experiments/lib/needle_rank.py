@@ -36,7 +36,6 @@ from specache_jax.model import decoder as dec
 
 RULES = {                      # rule label -> (bits, quant.py's one_bit rule)
     "1bit_specache": (1, "specache"),   # the paper's 1-bit levels (SpeCache-1bit, the faithful method)
-    "1bit_mean": (1, "mean"),           # one_bit="mean" (a robust-speculation option)
     "1bit_kivi": (1, "kivi"),           # KIVI's 1-bit levels (m, M)
     "2bit": (2, "specache"),            # SpeCache-2bit's (KIVI's 2-bit) levels
 }

@@ -110,7 +110,7 @@ def run(config, model=None, command: str = "python -m experiments.perplexity --c
     steps = t - config.prefix_tokens - 1
     info = dict(method=label, settings=methods.describe(method), spec_row=spec_row, seconds=seconds,
                 device_bytes=device_bytes_at(method, model.config, max_len_for(t), dtype))
-    recs = {ids[w]: dict(info, window=w, spec_hit_rate=(float(h) / steps if method.decode_width > 1 else None),
+    recs = {ids[w]: dict(info, window=w, spec_hit_rate=(float(h) / steps if method.speculation.width > 1 else None),
                          **cell)
             for w, h, cell in zip(todo, hits, score_cells(nll, config.prefix_tokens, buckets))}
     store.put_many(recs, fp)

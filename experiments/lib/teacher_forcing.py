@@ -62,14 +62,14 @@ def teacher_forced_nll(params, tokens_BT, *, cfg: ModelConfig, method: CacheConf
     cache, inp, missed = carry
     tok_B, target_B = xs
     inp = inp.at[:, 0].set(tok_B)                                 # the real row is always the true token
-    if spec_row == "text" and method.decode_width > 1:       # the first guess is the true next token
+    if spec_row == "text" and method.speculation.width > 1:       # the first guess is the true next token
       inp = inp.at[:, 1].set(target_B)
-    if method.decode_width > 1:     # as the decode loop: the last step's misses, where this input copies from
+    if method.speculation.width > 1:     # as the decode loop: the last step's misses, where this input copies from
       cache = decode.observe_speculation(method, cache, missed, inp)
     logits, cache, _ = decoder.forward(layer_params, cfg, inp, cache, method, "decode")
     nll = _nll(logits[:, 0], target_B)
     _, _, missed = decode.speculation(method, inp, target_B, every_row)
-    hit = (~missed).astype(jnp.int32) if method.decode_width > 1 else jnp.zeros((b,), jnp.int32)
+    hit = (~missed).astype(jnp.int32) if method.speculation.width > 1 else jnp.zeros((b,), jnp.int32)
     return (cache, decode.next_input(method, inp, target_B, logits, cache.tokens, cache.lengths), missed), (nll, hit)
 
   xs = (jnp.swapaxes(tokens_BT[:, prefix:t - 1], 0, 1), jnp.swapaxes(tokens_BT[:, prefix + 1:], 0, 1))

@@ -31,8 +31,7 @@ def cache_config(name: str = "full", preset: str | None = None, **settings) -> C
   """E.g. cache_config("specache", bits=1, group_size=64, residual=64, topk=64), or a named preset of the
   method's settings under any given explicitly: cache_config("specache", bits=1, preset="robust")."""
   cls = config_class(name)
-  if preset is not None:
-    settings = cls.preset_settings(preset, settings)
+  settings = cls.resolve_settings(preset, dict(settings))
   allowed = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(set(settings) - set(allowed))
   if unknown:

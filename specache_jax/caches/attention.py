@@ -111,7 +111,7 @@ def causal_new_mask(batch: int, t: int):
 
 
 def new_rows_mask(batch: int, offsets):
-  """Mask [B, 1, T, T] of new rows at position offsets `offsets` (`CacheConfig.row_offsets`): row i sees row j
+  """Mask [B, 1, T, T] of new rows at position offsets `offsets` (`Speculation.row_offsets`): row i sees row j
   when j sits at an earlier position, and itself (rows at the same position — alternative candidates — never
   see each other). Consecutive offsets give `causal_new_mask`."""
   off = jnp.asarray(offsets, jnp.int32)

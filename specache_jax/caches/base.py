@@ -3,9 +3,9 @@ per-row lengths wrapper.
 
 A method lives in one file (`full.py`, `kivi.py`, `specache.py`, `streaming.py`, `h2o.py`): a frozen config
 dataclass subclassing `CacheConfig`, and a module of pure functions (`MethodModule`) reached through
-`method.impl`, never by comparing names. Hooks only some methods have (SpeCache's speculation record, host
-bytes, pre-decoding) are declared here with their neutral default and overridden by the method's config, so
-callers never probe with getattr/hasattr.
+`method.impl`, never by comparing names. Hooks only some methods have (host bytes, presets) are declared here with
+their neutral default and overridden by the method's config, so callers never probe with getattr/hasattr. What a
+method's speculation changes in the decode loop is one value, `method.speculation` (caches/speculation.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specache_jax.caches.speculation import NO_SPECULATION, Speculation
 from specache_jax.errors import ConfigError
 from specache_jax.model_config import ModelConfig
 
@@ -39,64 +40,32 @@ class MethodModule(Protocol):
 class CacheConfig:
   """Base of every method's frozen config dataclass, with the optional hooks' defaults."""
   name: ClassVar[str] = ""
-  # Query rows per decoding step (SpeCache: 1 real + its speculative candidates) and rows stored of them.
-  decode_width: ClassVar[int] = 1
   needs_attention_colsum: ClassVar[bool] = False
-  uses_predecode: ClassVar[bool] = False      # the module has predecode(method, st, q, k, v, lengths)
   offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it)
-
-  @property
-  def lookup_ngram(self) -> int:
-    """Prompt lookup (history.py): the longest suffix matched in the tokens so far; 0 = none."""
-    return 0
-
-  @property
-  def anchor_rows(self) -> int:
-    """Positions around each next-input row's lookup match that the method's fetch takes first; 0 = none."""
-    return 0
-
-  @property
-  def anchor_min_match(self) -> int:
-    """The shortest repeat (tokens) that anchors a row (`anchor_rows`)."""
-    return 1
-
-  @property
-  def keeps_tokens(self) -> bool:
-    """Whether the cache carries the ids of its tokens (`Cache.tokens`; lookups read them)."""
-    return self.lookup_ngram > 0
+  speculation: Speculation = NO_SPECULATION   # one row per step (SpeCache overrides it with a field)
 
   @property
   def impl(self) -> MethodModule:
     raise NotImplementedError
 
   @classmethod
-  def preset_settings(cls, preset: str, settings: dict) -> dict:
-    """Hook: the settings of a named preset, with the explicitly given `settings` on top (they win)."""
-    del settings
-    raise ConfigError(f"cache method {cls.name!r} has no presets (got preset={preset!r})")
+  def resolve_settings(cls, preset: str | None, settings: dict) -> dict:
+    """Hook: `cache_config(name, preset=..., **settings)`'s settings -> the config's fields (a named preset's
+    settings under the given ones, which win). By default: the settings as given, and no presets."""
+    if preset is not None:
+      raise ConfigError(f"cache method {cls.name!r} has no presets (got preset={preset!r})")
+    return settings
+
+  def flat_settings(self) -> dict[str, Any]:
+    """The settings as one flat JSON-ready dict (result records; `resolve_settings` reads it back)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   def validate(self, model_cfg: ModelConfig, max_len: int) -> None:
     """Raise ConfigError naming the value and the rule; called before anything is compiled."""
 
-  def row_offsets(self, t: int) -> tuple[int, ...]:
-    """Positions of a decoding call's T new rows after the n stored tokens, as offsets from n: consecutive
-    (n, n+1, ...) by default; SpeCache's candidate rows all sit at n + 1. A new row sees the new rows at earlier
-    positions and itself (`attention.new_rows_mask`)."""
-    return tuple(range(t))
-
-  def rows_stored(self, t: int, phase: str) -> int:
-    """How many of the T new rows of a call enter the cache (all, except SpeCache's speculative row)."""
-    return t
-
   def slots(self, max_len: int) -> int:
     """The slot count S to allocate for `max_len` tokens (methods round up to their group sizes)."""
     return max_len
-
-  def observe_speculation(self, st, missed_B, anchors_BW=None):
-    """Hook: before the next step, which rows' speculative token was wrong and where each row of the next input
-    would copy from (`history.anchors`, or None) (a state of any layout)."""
-    del missed_B, anchors_BW
-    return st
 
   def host_bytes(self, st) -> int:
     """Hook: bytes of the state that belong to host memory (SpeCache's complete 16-bit cache)."""
@@ -110,22 +79,16 @@ class CacheConfig:
     return int(self.impl.device_bytes(self, st))
 
 
-def observe_speculation(method: CacheConfig, layers, missed_B, anchors_BW=None):
-  """The hook over a stacked state or a per-layer tuple of states."""
-  if isinstance(layers, (tuple, list)):
-    return tuple(method.observe_speculation(st, missed_B, anchors_BW) for st in layers)
-  return method.observe_speculation(layers, missed_B, anchors_BW)
-
-
 @struct.dataclass
 class Cache:
   layers: Any                 # the method's State: leaves [L, ...], or a tuple of per-layer States
   lengths: jax.Array          # [B] int32 tokens stored per row
-  tokens: Any = None          # [B, S] int32 ids of the stored tokens where `method.keeps_tokens`, else None
+  tokens: Any = None          # [B, S] int32 ids of the stored tokens where `method.speculation.keeps_tokens`
 
 
 def settings_of(method) -> dict[str, Any]:
-  return {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
+  """A built method's settings, flat and JSON-ready (`CacheConfig.flat_settings`)."""
+  return method.flat_settings()
 
 
 def check_int(name: str, value, minimum: int = 0) -> None:

@@ -33,10 +33,10 @@ class _Sized:
 
 def device_bytes_at(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
   """The method's accelerator bytes for `batch` rows of `max_len` tokens, from eval_shape (no allocation); with
-  `keeps_tokens`, the cache's int32 token ids (`Cache.tokens`) too."""
+  `speculation.keeps_tokens`, the cache's int32 token ids (`Cache.tokens`) too."""
   shapes = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
   sized = jax.tree.map(lambda s: _Sized(tuple(s.shape), np.dtype(s.dtype)), shapes)
-  ids = 4 * batch * method.slots(max_len) if method.keeps_tokens else 0
+  ids = 4 * batch * method.slots(max_len) if method.speculation.keeps_tokens else 0
   return method.device_bytes(sized) + ids
 
 

@@ -1,5 +1,5 @@
 """SpeCache's per-step measurements: how well κ_t served the real row (`hit_stats`, with track_hits) and how far
-the real query drifted from the speculative one that chose κ_t (`query_drift`; the drift option acts on it).
+the real query drifted from the speculative one that chose κ_t (`query_drift`).
 `method` is a `specache.SpeCacheConfig`, `st` its `specache.State`."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from specache_jax.caches import attention as A
-from specache_jax.caches import lowbit
 from specache_jax.caches import selection
 
 
@@ -40,7 +39,7 @@ def hit_stats(method, st, q, lengths, kappa_used):
   valid = kappa_used < lengths[:, None, None]
   hits = jnp.sum(membership(jnp.where(valid, kappa_used, -3), exact), axis=-1)  # [B, K]
   denom = jnp.minimum(method.topk, lengths)[:, None].astype(jnp.float32)
-  low_below = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
+  low_below = method.sixteen_bit_from(lengths)
   fetched = jax.vmap(jax.vmap(lambda i: jnp.zeros((s + 1,), bool).at[i].set(True)))(
       jnp.where(valid & (kappa_used >= 0), kappa_used, s))[..., :s]         # [B, K, S]
   low = (jnp.arange(s)[None, None, :] < low_below[:, None, None]) & ~fetched

@@ -1,6 +1,6 @@
 """SpeCache's κ choice: which stored positions' 16-bit rows the next attend reads, from an attention's
-probabilities (`Scores`, the form the fused kernels return them in) — the faithful top-k (`select`, `select_row`),
-the hedged split (`select_hedged`) — and the exact top-k they use (`top_k_indices`). `method` is a
+probabilities (`Scores`, the form the fused kernels return them in) — the top-k (`select`, `select_row`) with
+the anchored rows first (`anchored`) — and the exact top-k they use (`top_k_indices`). `method` is a
 `specache.SpeCacheConfig`."""
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from specache_jax import cpu_kernels as ck
-from specache_jax.caches import lowbit
 from specache_jax.cpu_kernels import select as cpu_select
 
 
 def candidates(method, n_B):
   """How many leading positions κ may pick for an attend after n_B stored tokens: all n, or with skip_ring only
-  those below the ring's 16-bit columns (`lowbit.sixteen_bit_from`), which that attend never reads from κ."""
-  return lowbit.sixteen_bit_from(n_B, method.residual, method.exact_ring) if method.skip_ring else n_B
+  those below the ring's 16-bit columns (`SpeCacheConfig.sixteen_bit_from`), which that attend never reads from κ."""
+  return method.sixteen_bit_from(n_B) if method.speculation.skip_ring else n_B
 
 
 def select(method, probs_BKS, n_B):
@@ -48,7 +47,7 @@ def anchored(scores: Scores, anchors_BA, rows: int, low_below_B, window: int = A
   """`scores` with at most `rows` positions around the anchors [B, A] (`history.anchors`; negative: none)
   raised by ANCHOR_BOOST in every row, as extra columns, so a top-k takes them before any scored position. Each
   anchor has a `window` of positions, half before it; of those the attend reads only in low bits (below
-  low_below_B [B], `lowbit.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
+  low_below_B [B], `SpeCacheConfig.sixteen_bit_from`), the `rows` nearest to their anchor are taken (ties: the earlier
   anchor first). One anchor gets its window, several share the `rows` (windows may overlap)."""
   b, k, r, _ = scores.extra.shape
   s = scores.low.shape[-1]
@@ -87,19 +86,6 @@ def select_row(method, scores: Scores, row: int, n_B):
 def _candidate_scores(method, probs_BKS, n_B):
   ok = jnp.arange(probs_BKS.shape[-1])[None, None, :] < candidates(method, n_B)[:, None, None]
   return jnp.where(ok, probs_BKS, -1.0)
-
-
-def select_hedged(method, real_BKS, spec_BKS, n_B):
-  """κ_{t+1} with `hedge` of its k rows from the real row's probabilities (moved `hedge_shift` positions
-  forward) and the rest from the speculative row's, never the same position twice. [B, K, X] int32."""
-  s = real_BKS.shape[-1]
-  shift = method.hedge_shift
-  moved = jnp.pad(real_BKS, ((0, 0), (0, 0), (shift, 0)), constant_values=-1.0)[..., :s] if shift else real_BKS
-  from_real = top_k_indices(_candidate_scores(method, moved, n_B), method.hedge)
-  spec = _candidate_scores(method, spec_BKS, n_B)
-  spec = jax.vmap(jax.vmap(lambda p, i: p.at[i].set(-2.0)))(spec, from_real)    # below every candidate
-  from_spec = top_k_indices(spec, method.topk - method.hedge)
-  return jnp.concatenate([from_real, from_spec], axis=-1)
 
 
 # Slots per block of `top_k_indices` in `select`; None = one top-k (on XLA:CPU, `cpu_kernels.select`'s kernel).

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.mixed_decode_attention import mixed_decode_attention
 from specache_jax import cpu_kernels as ck
-from specache_jax import quant
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches import selection
@@ -33,13 +32,13 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
 
   st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
   are written in place — the codes it wrote are at positions this attention masks — and the ring after).
-  scores_only: the caller uses only the probabilities (with score_levels="range", so does a step whose output
-  leaves the low-bit copy out): the low-bit keys score at `score_levels`; the output returned is then not
-  the attention's (the fused kernels do not read the low-bit values for it)."""
+  scores_only: the caller uses only the probabilities; the output returned is then not the attention's (the
+  fused kernels do not read the low-bit values for it)."""
   b, t, _, h = q.shape
   n_kv = kn_BKTH.shape[1]
   _, val_qlen = lowbit.boundaries(lengths, method.residual)
-  exact_from = lowbit.sixteen_bit_from(lengths, method.residual, method.exact_ring)
+  spec = method.speculation
+  exact_from = method.sixteen_bit_from(lengths)
   s = st.low.k_codes.shape[2]
   kappa = st.kappa
   x = kappa.shape[-1]
@@ -49,21 +48,15 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
     kap_use = jnp.zeros(kappa.shape, bool)
   kap_set = jnp.where(kap_use, kappa, -2)
   ring_k, ring_v, ring_pos = lowbit.ring_segment(st.low, lengths, bits=method.bits, group_size=method.group_size,
-                                                 residual=method.residual, exact_keys=method.exact_ring)
+                                                 residual=method.residual, exact_keys=spec.exact_ring)
   ring_ok = (ring_pos >= 0) & ~membership(ring_pos, kap_set)             # [B, K, R]
   kap_mask = jnp.broadcast_to(kap_use[:, :, None, :], (b, n_kv, t, x))
   ring_mask = jnp.broadcast_to(ring_ok[:, :, None, :], (b, n_kv, t, method.residual))
-  offsets = method.row_offsets(t)
+  offsets = spec.row_offsets(t)
   new_mask = A.new_rows_mask(b, offsets)
   sm_scale = h ** -0.5
   exclude = jnp.where(kap_use, kappa, -1)
-  low, score_ring_k = st.low, ring_k            # what the probabilities score with (the output: st.low, ring_k)
-  sixteen_out = use_kappa and not method.lowbit_in_output        # the output attends the 16-bit columns only
-  if method.score_levels == "range" and (scores_only or sixteen_out):
-    low = low.replace(**dict(zip(("k_scale", "k_zero"), quant.range_levels(low.k_scale, low.k_zero, method.bits,
-                                                                            method.one_bit))))
-    score_ring_k = lowbit.ring_segment(low, lengths, bits=method.bits, group_size=method.group_size,
-                                       residual=method.residual, exact_keys=method.exact_ring)[0]
+  sixteen_out = use_kappa and not spec.lowbit_in_output          # the output attends the 16-bit columns only
 
   def sixteen_bit_output():
     """The output over κ_t's rows, the ring and the new rows only (`sixteen_out`: the low-bit copy only scores)."""
@@ -75,9 +68,9 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
     excluded = jax.vmap(jax.vmap(lambda e, i: e.at[i].set(True)))(excluded, jnp.where(kap_use, kappa, s))
     low_ok = (jnp.arange(s)[None, None, :] < val_qlen[:, None, None]) & ~excluded[:, :, :s]
     low_mask = jnp.broadcast_to(low_ok[:, :, None, :], (b, n_kv, t, s))
-    packed = lowbit.packed_segment(low, low_mask, bits=method.bits, group_size=method.group_size)
+    packed = lowbit.packed_segment(st.low, low_mask, bits=method.bits, group_size=method.group_size)
     out, (p_low, p_ring, p_kap, p_new) = A.segmented_attention(
-        q, [packed, (score_ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
+        q, [packed, (ring_k, ring_v, ring_mask), (st.fetched_k, st.fetched_v, kap_mask),
             (kn_BKTH, vn_BKTH, new_mask)], sm_scale, n_kv)
     of_rows = lambda p: jnp.stack([jnp.mean(p[:, :, :, r, :], axis=2) for r in rows], axis=2)  # [B,K,rows,cols]
     out = sixteen_bit_output() if sixteen_out else out
@@ -86,12 +79,11 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
   def fused_attention(kernel, prob_rows=None):
     """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows'). Both
     skip the low-bit values where the output leaves them out (`lowbit_values=False`): they give the `sixteen_out`
-    output themselves where the ring scores with the keys the output reads (score_levels "stored"), and with
-    scores_only an output nobody reads."""
-    by_kernel = scores_only or (sixteen_out and score_ring_k is ring_k)
+    output themselves, and with scores_only an output nobody reads."""
+    by_kernel = scores_only or sixteen_out
     if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
       raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
-    extra_k = [score_ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
+    extra_k = [ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
     extra_v = [ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype), vn_BKTH.astype(q.dtype)]
     if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
       extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
@@ -99,10 +91,9 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
     kw = dict(lowbit_values=not by_kernel) if prob_rows is None else dict(prob_rows=prob_rows,
                                                                           lowbit_values=not by_kernel)
     out, p_low, p_extra = kernel(
-        q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero,
+        q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
         val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
         sm_scale=sm_scale, **kw)
-    out = sixteen_bit_output() if sixteen_out and not by_kernel else out
     return (out, p_low[:, :, None], p_extra[:, :, None]) if prob_rows is None else (out, p_low, p_extra)
 
   if method.attention_impl != "jnp":

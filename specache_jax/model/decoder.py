@@ -49,7 +49,7 @@ def rope_for(cfg: ModelConfig, phase: str, lengths_B, t: int, offsets=None):
 
 def row_offsets(method: CacheConfig | None, phase: str, t: int):
   """The new rows' position offsets for `rope_for`: the method's in decoding and pre-decoding, else consecutive."""
-  return None if method is None or phase == "prefill" else method.row_offsets(t)
+  return None if method is None or phase == "prefill" else method.speculation.row_offsets(t)
 
 
 def qkv(cfg: ModelConfig, lp, h_BTD, rope):
@@ -233,8 +233,8 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
     new_lengths = lengths
     ids = None if ids is None else history.write_prompt(ids, tokens_BT)
   elif phase == "decode":
-    new_lengths = cache.lengths + method.rows_stored(t, phase)
-    ids = None if ids is None else history.write_rows(ids, tokens_BT[:, :method.rows_stored(t, phase)],
+    new_lengths = cache.lengths + method.speculation.rows_stored(t, phase)
+    ids = None if ids is None else history.write_rows(ids, tokens_BT[:, :method.speculation.rows_stored(t, phase)],
                                                       cache.lengths)
   else:
     new_lengths = cache.lengths

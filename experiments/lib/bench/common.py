@@ -55,7 +55,7 @@ class RuntimeDriver:
     `decode.start` does."""
     lengths = jnp.asarray(lengths_B, jnp.int32)
     first = decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths))
-    if not self.method.uses_predecode:
+    if not self.method.speculation.predecodes:
       return decode.first_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)
     guesses = first_guesses(self.params, x, first, self.rt.tokens, lengths, cfg=self.cfg, method=self.method)
@@ -66,7 +66,7 @@ class RuntimeDriver:
     exact_on_miss the runtime is told which rows' guesses missed (a host sync per step, as `generate` has), and
     they are counted (`miss_rows` of `seen_rows`)."""
     inp, lengths, pending, missed = carry
-    miss = np.asarray(missed) if self.method.exact_on_miss and missed is not None else None
+    miss = np.asarray(missed) if self.method.speculation.exact_on_miss and missed is not None else None
     if miss is not None:
       self.miss_rows, self.seen_rows = self.miss_rows + int(miss.sum()), self.seen_rows + miss.size
     x, pending = self.rt.step(inp, lengths, pending, miss)

@@ -46,7 +46,7 @@ VARIANTS = ("kernel", "matmul", "xla")
 def _expected(variant: str, method, batch: int, head_dim: int) -> tuple[bool, bool, bool]:
   """(skinny matmul, mixed attention, top-k or scatter + top-k) custom calls a step traced as `variant` must
   have."""
-  rows = batch * method.decode_width
+  rows = batch * method.speculation.width
   matmul = variant != "xla" and (ck.use_kernel(rows, False) or ck.use_kernel(rows, True))
   attention = variant == "kernel" and method.name in ("specache", "kivi") and cpu_attention.supports(
       method.bits, method.group_size, head_dim)

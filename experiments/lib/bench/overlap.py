@@ -133,7 +133,7 @@ def dispatch_cpu_seconds(drv, carry, n: int):
 def measure(model, method, context: int, batch: int, steps: int, rounds: int, warmup: int, margin: int,
             seed: int) -> dict:
   """Medians over `rounds` of (a), (b), (c), each the mean over `steps` steps; method must be offloaded."""
-  if not (getattr(method, "offload", False) and method.speculative):
+  if not (method.offload and method.speculation.predecodes):
     raise ValueError(f"the overlap measurement needs an offloaded speculative SpeCache config; got {method!r}")
   prompt_len = context - margin
   total = warmup + 1 + 2 + rounds * 3 * steps            # (c), the dispatch-CPU steps and (a) per round

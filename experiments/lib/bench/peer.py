@@ -137,7 +137,7 @@ def run_cell(config, model, hf, limits: dict, context: int, batch: int, log) -> 
     try:
       method = exp_methods.build(config, label, cfg, slots, dtype)
       cache_bytes[label] = device_bytes_at(method, cfg, context, dtype, batch)
-      widths[label] = method.decode_width
+      widths[label] = method.speculation.width
       t0 = time.perf_counter()
       runners[label] = make_runner(model, method, tokens, lengths, slots)
       runners[label].record.update(method=exp_methods.describe(method), setup_s=time.perf_counter() - t0)
@@ -226,7 +226,7 @@ def scaling(config, limits: dict, deadline: float, log) -> dict:
         steppers[label] = StateStepper(model.params, layer_params, cfg, method, captured, first, lens, slots)
         point["methods"][label] = {"method": exp_methods.describe(method),
                                    "cache_bytes_per_step": device_bytes_at(method, cfg, context, dt, sc.batch),
-                                   "decode_width": method.decode_width}
+                                   "decode_width": method.speculation.width}
         steppers[label].chain(max(sc.warmup, 1))
       except Exception as e:  # memory at long contexts: recorded, the others go on
         steppers.pop(label, None)

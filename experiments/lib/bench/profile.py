@@ -145,7 +145,7 @@ def profile_specache_step(model, method, context: int, margin: int, seed: int, i
   full_st = _layer0(caches["full"].layers)
   b, k, s, h = st.k16.shape
   n = cfg.n_heads
-  t = method.decode_width
+  t = method.speculation.width
   rng = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(rng[0], (b, t, n, h), jnp.float32).astype(st.k16.dtype)
   kn = jax.random.normal(rng[1], (b, t, k, h), jnp.float32).astype(st.k16.dtype)

@@ -108,7 +108,7 @@ def build_cache(captured: Captured, lengths_B, tokens_BT=None, *, cfg, method: C
   tokens_BT: the prompts' ids, which a method with `keeps_tokens` stores (`Cache.tokens`)."""
   b = lengths_B.shape[0]
   ids = None
-  if method.keeps_tokens:
+  if method.speculation.keeps_tokens:
     if tokens_BT is None:
       raise ConfigError(f"{method.name} keeps the ids of its tokens (lookup guesses): build_cache needs the "
                         "prompts' tokens_BT")
