@@ -294,7 +294,7 @@ def kernel_check(ctx: Context, op: str, label: str, shape, bits: int, dtype, pea
   """One op at one shape: the kernel (compiled on its device, interpret mode elsewhere) vs its float32 reference;
   on the device and the realistic shape also timed, with its fraction of `peak` bytes/s."""
   from pallas_kernels import benchmark
-  kernel, reference = _kernel_functions(ctx.platform)
+  kernel, reference = _kernel_functions(ctx.platform)[op]
   kw = dict(bits=bits, group_size=shape.group_size, sm_scale=shape.head_dim ** -0.5)
   kernel = jax.jit(functools.partial(kernel, **kw, interpret=not ctx.on_device))
   reference = jax.jit(functools.partial(reference, **kw))
