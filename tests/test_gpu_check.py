@@ -168,3 +168,17 @@ def test_tpu_kernels_stage_checks_the_mosaic_kernels(tmp_path):
   assert proc.returncode == 0 and rep["status"] == "ok", (proc.stderr[-2000:], rep)
   assert rep["platform"] == "tpu" and rep["checks"]["device"]["value"]["platform"] == "tpu"
   assert {f"{op}_small_{b}bit" for op in ("quant_scores", "mixed") for b in (1, 2)} <= set(rep["checks"])
+
+
+def test_real_stage_past_its_deadline_keeps_the_checks_it_finished(tmp_path):
+  """The smoke stage with a deadline far below its run time on this CPU: stopped, its JSON says so."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  t0 = time.monotonic()
+  proc = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--stage=smoke", f"--out={tmp_path}",
+                         "--dry_run", "--deadline_s=8"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  rep = json.loads((tmp_path / "smoke.json").read_text())
+  assert proc.returncode == EXIT_INTERRUPTED, (proc.stderr[-2000:], rep)
+  assert rep["status"] == "deadline" and rep["checks"]["device"]["ok"], rep
+  assert any(c.get("error", "").startswith("interrupted: deadline") for c in rep["checks"].values()), rep["checks"]
+  assert "copy_bandwidth" not in rep["checks"] and time.monotonic() - t0 < 120
