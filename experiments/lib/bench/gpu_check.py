@@ -149,18 +149,22 @@ def _sizes(ctx: Context) -> dict:
               batches=(64, 32, 16, 8, 4, 2, 1), context=32768, steps=8, rounds=3, spec=SPECACHE)
 
 
-def copy_bandwidth(n_bytes: int, iters: int = 10) -> dict:
-  """Achieved bytes/s of x + 1 over a float32 array of n_bytes (reads and writes it: 2 n_bytes moved)."""
-  import jax.numpy as jnp
-  x = jnp.ones((n_bytes // 4,), jnp.float32)
-  f = jax.jit(lambda a: a + 1)
-  jax.block_until_ready(f(x))
+def median_seconds(fn, args, iters: int) -> float:
+  """Median wall time of fn(*args) over `iters` calls, after one call that compiles and warms up."""
+  jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
+    jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  return dict(bytes=2 * n_bytes, median_s=float(np.median(times)), bytes_per_s=2 * n_bytes / float(np.median(times)))
+  return float(np.median(times))
+
+
+def copy_bandwidth(n_bytes: int, iters: int = 10) -> dict:
+  """Achieved bytes/s of x + 1 over a float32 array of n_bytes (reads and writes it: 2 n_bytes moved)."""
+  import jax.numpy as jnp
+  seconds = median_seconds(jax.jit(lambda a: a + 1), (jnp.ones((n_bytes // 4,), jnp.float32),), iters)
+  return dict(bytes=2 * n_bytes, median_s=seconds, bytes_per_s=2 * n_bytes / seconds)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -303,8 +307,8 @@ def kernel_check(ctx: Context, op: str, label: str, shape, bits: int, dtype, pea
   out = dict(max_scaled_error=err, ok=err <= (1e-4 if np.dtype(dtype) == np.float32 else 2e-2))
   if ctx.on_device and label == "realistic":
     n_bytes = benchmark.bytes_moved(op, args, shape)
-    t_kernel = benchmark._median_seconds(kernel, args, iters)
-    t_ref = benchmark._median_seconds(reference, args, iters)
+    t_kernel = median_seconds(kernel, args, iters)
+    t_ref = median_seconds(reference, args, iters)
     out.update(shape=dataclasses.asdict(shape), bytes=n_bytes, kernel_s=t_kernel, reference_s=t_ref,
                speedup=t_ref / t_kernel, kernel_bytes_per_s=n_bytes / t_kernel,
                fraction_of_peak=n_bytes / t_kernel / peak if peak else None)
