@@ -154,7 +154,7 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
   assert all("stores" in c["value"] for name, c in overlap.items() if name.startswith("cell_")), overlap
   assert os.path.isdir(overlap["trace"]["value"])
   assert {"full", "specache_1bit_offload"} <= {k for k, v in reps["throughput"]["checks"].items()
-                                               if "step_s" in (v.get("value") or {})}
+                                               if isinstance(v.get("value"), dict) and "step_s" in v["value"]}
   assert all(f"{stage} rc=0" in (tmp_path / "summary.txt").read_text() for stage in gpu_check.STAGES)
 
 
