@@ -264,7 +264,9 @@ def stage_kernel_tests(rec: StageRecord, ctx: Context) -> None:
 
   def run() -> dict:
     xml = os.path.join(ctx.out_dir, "kernel_tests.xml")
-    proc = subprocess.run(base + [f"--junitxml={xml}"], capture_output=True, text=True, timeout=_timeout(rec, 600))
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))    # not tests/conftest.py's CPU flags
+    proc = subprocess.run(base + [f"--junitxml={xml}"], capture_output=True, text=True, env=env,
+                          timeout=_timeout(rec, 600))
     res = _junit_summary(xml) if os.path.exists(xml) else {}
     ran = res.get("tests", 0) - res.get("skipped", 0)
     return dict(res, rc=proc.returncode, ok=proc.returncode == 0 and ran > 0, tail=proc.stdout[-3000:])
