@@ -189,15 +189,15 @@ def kernel_impl(ctx: Context) -> str | None:
   """The attention_impl that runs this platform's Pallas kernels; interpret mode in a dry run; None if none."""
   if ctx.dry or not ctx.on_device:
     return "pallas_interpret"
-  import pallas_kernels
+  import pallas_kernels  # optional: per check
   impl = pallas_kernels.default_attention_impl()
   return None if impl == "jnp" else impl
 
 
 def stage_smoke(rec: StageRecord, ctx: Context) -> None:
   rec.check("imports", stage_imports)
-  import specache_jax as sj
-  from experiments.lib.bench import models
+  import specache_jax as sj  # optional: per check
+  from experiments.lib.bench import models  # optional: per check
 
   @functools.cache
   def model():
@@ -283,14 +283,14 @@ def _timeout(rec: StageRecord, cap: float) -> float:
 # kernels
 
 def _kernel_functions(platform: str):
-  from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference
-  from pallas_kernels.quant_scores import quant_scores_reference
+  from pallas_kernels.mixed_decode_attention import mixed_decode_attention_reference  # optional: per check
+  from pallas_kernels.quant_scores import quant_scores_reference  # optional: per check
   if platform == "tpu":
-    from pallas_kernels.tpu.mixed_decode_attention import mixed_decode_attention
-    from pallas_kernels.tpu.quant_scores import quant_scores
+    from pallas_kernels.tpu.mixed_decode_attention import mixed_decode_attention  # optional: per check
+    from pallas_kernels.tpu.quant_scores import quant_scores  # optional: per check
   else:
-    from pallas_kernels.mixed_decode_attention import mixed_decode_attention
-    from pallas_kernels.quant_scores import quant_scores
+    from pallas_kernels.mixed_decode_attention import mixed_decode_attention  # optional: per check
+    from pallas_kernels.quant_scores import quant_scores  # optional: per check
   return dict(quant_scores=(quant_scores, quant_scores_reference),
               mixed=(mixed_decode_attention, mixed_decode_attention_reference))
 
@@ -299,7 +299,7 @@ def kernel_check(ctx: Context, op: str, label: str, shape, bits: int, dtype, pea
                  iters: int) -> dict:
   """One op at one shape: the kernel (compiled on its device, interpret mode elsewhere) vs its float32 reference;
   on the device and the realistic shape also timed, with its fraction of `peak` bytes/s."""
-  from pallas_kernels import benchmark
+  from pallas_kernels import benchmark  # optional: per check
   kernel, reference = _kernel_functions(ctx.platform)[op]
   kw = dict(bits=bits, group_size=shape.group_size, sm_scale=shape.head_dim ** -0.5)
   kernel = jax.jit(functools.partial(kernel, **kw, interpret=not ctx.on_device))
@@ -319,7 +319,7 @@ def kernel_check(ctx: Context, op: str, label: str, shape, bits: int, dtype, pea
 
 def stage_kernels(rec: StageRecord, ctx: Context) -> None:
   import jax.numpy as jnp
-  from pallas_kernels import benchmark
+  from pallas_kernels import benchmark  # optional: per check
   peak = ctx.sizing.peak_bytes_per_s
   rec.payload["peak_bytes_per_s"] = peak
   if ctx.on_device:
@@ -341,7 +341,7 @@ def stage_kernels(rec: StageRecord, ctx: Context) -> None:
 # overlap and throughput
 
 def stage_overlap(rec: StageRecord, ctx: Context) -> None:
-  from experiments.lib.bench import overlap
+  from experiments.lib.bench import overlap  # optional: per check
   sz = _sizes(ctx)
   for context, batch in sz["cells"]:
     settings = dict(model=sz["model"], dtype=sz["dtype"], seed=0, method=dict(name="specache", offload=True,
@@ -353,9 +353,9 @@ def stage_overlap(rec: StageRecord, ctx: Context) -> None:
 
 def _trace_steps(sz: dict, out_dir: str) -> str:
   """A jax.profiler trace of three pipelined offloaded steps (the first cell's shape, numpy store)."""
-  import specache_jax as sj
-  from experiments.lib.bench import models
-  from experiments.lib.bench.common import RuntimeDriver, random_prompts
+  import specache_jax as sj  # optional: per check
+  from experiments.lib.bench import models  # optional: per check
+  from experiments.lib.bench.common import RuntimeDriver, random_prompts  # optional: per check
   context, batch = sz["cells"][0]
   model = models.load(sz["model"], sz["dtype"])
   method = sj.cache_config("specache", offload=True, host_store="numpy", **sz["spec"])
@@ -375,9 +375,9 @@ def _trace_steps(sz: dict, out_dir: str) -> str:
 
 def _largest_batch(model, method, label: str, sz: dict) -> dict:
   """Decode timing at the largest batch of sz["batches"] that fits (each refusal recorded)."""
-  from experiments.lib.bench import states
-  from experiments.lib.bench.common import random_prompts
-  from experiments.lib.bench.throughput import make_runner, time_cell
+  from experiments.lib.bench import states  # optional: per check
+  from experiments.lib.bench.common import random_prompts  # optional: per check
+  from experiments.lib.bench.throughput import make_runner, time_cell  # optional: per check
   refused = []
   for batch in sz["batches"]:
     tokens, lengths = random_prompts(batch, batch, sz["context"] - 64, model.config.vocab_size)
@@ -396,8 +396,8 @@ def _largest_batch(model, method, label: str, sz: dict) -> dict:
 
 
 def stage_throughput(rec: StageRecord, ctx: Context) -> None:
-  import specache_jax as sj
-  from experiments.lib.bench import models
+  import specache_jax as sj  # optional: per check
+  from experiments.lib.bench import models  # optional: per check
   sz = _sizes(ctx)
   rec.payload.update(context=sz["context"], model=sz["model"],
                      device_memory_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
