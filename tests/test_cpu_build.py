@@ -126,6 +126,7 @@ REFERENCE_TESTS = [
     "tests/test_cpu_attention.py::test_kernel_matches_reference",
     "tests/test_cpu_attention.py::test_kernel_returns_the_last_rows_probabilities",
     "tests/test_cpu_attention.py::test_dense_kernel_matches_reference",
+    "tests/test_cpu_select.py::test_top_k_indices_equal_lax_top_k",
     "tests/test_cpu_select.py::test_scatter_top_k_equals_the_dense_scores_top_k",
     "tests/test_cpu_select.py::test_take_rows_equals_take_along_axis_clipped",
     "tests/test_cpu_select.py::test_argmax_equals_jnp_argmax",
