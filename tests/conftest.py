@@ -1,6 +1,5 @@
 """Test setup: 8 forced CPU devices (sharding tests), strict rank promotion, a persistent compile cache."""
 import os
-import shutil
 
 # LLVM at -O0 for XLA:CPU's generated code: most of a test's time is compiling small programs once (a cold run on
 # 2 cores: 1432 s at the default level, 918 s at -O0); the custom calls, matmuls and convolutions are prebuilt and
@@ -8,26 +7,23 @@ import shutil
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# A persistent compilation cache, set through JAX's environment variables so that the xdist workers and every
-# subprocess a test starts (launchers, the GPU check's dry run, the notebook, fresh-venv installs) share it: the
-# fixture below drops the compiled programs after each module, and many modules and subprocesses compile the same
-# ones. Entries are keyed by the program, its compile options and the jax/jaxlib versions (a changed program is a
-# new entry), so a kept folder only speeds up reruns; a whole run writes ~100 MB, and a folder past 2 GiB is emptied
-# when a session starts (JAX's own size limit scans the whole folder on every write, under a lock: quadratic in the
-# entries). SPECACHE_JAX_COMPILE_CACHE=<folder> puts it elsewhere, =0 turns it off; a JAX_COMPILATION_CACHE_DIR
-# already set is left as it is.
-_CACHE = os.environ.get("SPECACHE_JAX_COMPILE_CACHE",
-                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
-                                     "xla"))
-if _CACHE != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_CACHE):     # the session's first process only
-    if sum(e.stat().st_size for e in os.scandir(_CACHE) if e.is_file()) > 2 << 30:
-      shutil.rmtree(_CACHE, ignore_errors=True)
+# The tests' persistent compilation cache is the library's own (specache_jax.compile_cache), in `.pytest_cache/xla`:
+# SPECACHE_JAX_COMPILE_CACHE is set here, in the environment, so that the xdist workers and every subprocess a test
+# starts (launchers, the GPU check's dry run, the notebook, fresh-venv installs) configure the same folder when they
+# import the library: the fixture below drops the compiled programs after each module, and many modules and
+# subprocesses compile the same ones. Entries are keyed by the program, its compile options, the XLA flags (-O0
+# here) and the jax/jaxlib versions, so a kept folder only speeds up reruns; a whole run writes ~100 MB, and a
+# folder past compile_cache.MAX_BYTES (2 GiB) is trimmed to half when a process starts. SPECACHE_JAX_COMPILE_CACHE=
+# <folder> set outside puts it elsewhere, =0 turns it off; a JAX_COMPILATION_CACHE_DIR already set is left as it is.
+os.environ.setdefault("SPECACHE_JAX_COMPILE_CACHE",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+                                   "xla"))
 
 import jax  # noqa: E402
 
+from specache_jax import compile_cache  # noqa: E402
+
+compile_cache.configure()              # (importing specache_jax does it too; here before any test's first program)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 

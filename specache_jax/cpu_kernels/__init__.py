@@ -21,11 +21,12 @@ greedy token (jnp.argmax's index, exactly) (`select.cc`).
 `ring_keys.ring_keys`: the low-bit cache's ring as key columns (16-bit rows, or the last flushed window's rows
 dequantized) for KIVI's and SpeCache's attention (`ring_keys.cc`).
 
-The C++ sources are compiled on first use, into one library, with the machine's C++ compiler (`-O3
--march=native`) against the XLA FFI headers of the installed jaxlib, into a cache folder
-(`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
-and the compiler. Where that fails (no compiler) the models keep XLA's ops and `status()` says why;
-`SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
+The C++ sources are compiled once per host kind (`setup.sh` does it; otherwise the first use), into one library,
+with the machine's C++ compiler (`-O3 -march=native -Wall`) against the XLA FFI headers of the installed jaxlib,
+into a cache folder (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources,
+the jaxlib version, the compiler and the CPU (`build.py`: a library built for another CPU, altered or not
+loadable is rebuilt, never loaded). Where that fails (no compiler) the models keep XLA's ops and `status()` says
+why; `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
 XLA's ops for every other platform (`lax.platform_dependent`).
 
 Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
@@ -34,28 +35,19 @@ weight bytes of a model-sharded layer are lost, acceptable for CPU meshes, which
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specache_jax.cpu_kernels import build as native
 
 MAX_ROWS = 8          # rows the kernel takes
 # Rows for which `dense` takes the kernel (`use_kernel`), by weight layout: [D, N] and a tied head's [N, D].
 DENSE_ROWS = {"dn": (1, 8), "nd": (1, 8)}
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("skinny_matmul.cc", "mixed_attention.cc", "select.cc",
-                                                          "prefill_attention.cc", "dense_attention.cc",
-                                                          "ring_keys.cc"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("common.h", "mixed_values.h"))
 TARGET = "specache_skinny_matmul"
 ATTENTION_TARGET = "specache_mixed_decode_attention"
 TOP_K_TARGET = "specache_top_k"
@@ -65,41 +57,7 @@ SCATTER_TOP_K_TARGET = "specache_scatter_top_k"
 PREFILL_TARGET = "specache_prefill_attention"
 DENSE_TARGET = "specache_dense_decode_attention"
 RING_KEYS_TARGET = "specache_ring_keys"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "SPECACHE_JAX_CPU_KERNELS"
-
-
-def cache_dir() -> Path:
-  return Path(os.environ.get("SPECACHE_JAX_KERNEL_CACHE", Path.home() / ".cache" / "specache_jax" / "kernels"))
-
-
-def _compiler() -> str | None:
-  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-
-
-def build(out_dir: Path | None = None) -> Path:
-  """Compiles the kernels' sources into one library (once per source, jaxlib and compiler) -> its path.
-
-  Raises RuntimeError naming the compiler command and its output when it fails."""
-  cxx = _compiler()
-  if cxx is None:
-    raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
-  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-  texts = [f.read_text() for f in SOURCES + HEADERS]
-  key = hashlib.sha256("\0".join([*texts, jaxlib.__version__, cxx, *version, *FLAGS]).encode())
-  out_dir = cache_dir() if out_dir is None else Path(out_dir)
-  lib = out_dir / f"specache_cpu_kernels-{key.hexdigest()[:16]}.so"
-  if lib.exists():
-    return lib
-  out_dir.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=out_dir) as tmp:          # build aside, then rename: atomic for racers
-    tmp_lib = Path(tmp) / lib.name
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_lib)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-      raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-    os.replace(tmp_lib, lib)
-  return lib
 
 
 @functools.cache
@@ -107,8 +65,7 @@ def _load() -> tuple[bool, str]:
   if os.environ.get(ENV_SWITCH, "1") == "0":
     return False, f"off ({ENV_SWITCH}=0)"
   try:
-    lib = build()
-    handle = ctypes.cdll.LoadLibrary(str(lib))
+    handle, lib = native.load()
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SkinnyMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(handle.MixedDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(TOP_K_TARGET, jax.ffi.pycapsule(handle.SelectTopK), platform="cpu")

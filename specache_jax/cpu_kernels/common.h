@@ -51,7 +51,7 @@ inline V Codes16(const uint8_t* p) {
   if constexpr (BITS == 1) {
     uint16_t x;
     std::memcpy(&x, p, 2);
-    return __builtin_convertvector((VI{} + x >> kIota) & 1, V);
+    return __builtin_convertvector(((VI{} + x) >> kIota) & 1, V);
   } else if constexpr (BITS == 2) {
     uint32_t x;
     std::memcpy(&x, p, 4);
@@ -78,8 +78,11 @@ inline V Exp(V x) {
 #ifdef __AVX512F__
   x = x < Splat(-104.f) ? Splat(-104.f) : x;             // below: 2^n underflows to 0 (and -inf gives no NaN)
   x = x > Splat(89.f) ? Splat(89.f) : x;                 // above: +inf
-  const V nf = reinterpret_cast<V>(_mm512_roundscale_ps(reinterpret_cast<__m512>(x * 1.44269504088896341f),
-                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // The masked intrinsics with every lane set are the same instructions as the plain ones, whose undefined
+  // pass-through operand GCC 12 reports as maybe-uninitialized (-Wall).
+  const __m512 xl2e = reinterpret_cast<__m512>(x * 1.44269504088896341f);
+  const V nf = reinterpret_cast<V>(
+      _mm512_mask_roundscale_ps(xl2e, 0xFFFF, xl2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   const VI dead = x < Splat(-87.33654f);
   x = x < Splat(-87.33654f) ? Splat(-87.33654f) : x;
@@ -98,7 +101,8 @@ inline V Exp(V x) {
   p = p * r + 5.0000001201e-1f;
   const V y = p * r * r + r + 1.0f;
 #ifdef __AVX512F__
-  return reinterpret_cast<V>(_mm512_scalef_ps(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(nf)));
+  const __m512 ym = reinterpret_cast<__m512>(y);
+  return reinterpret_cast<V>(_mm512_mask_scalef_ps(ym, 0xFFFF, ym, reinterpret_cast<__m512>(nf)));
 #else
   V pow2;
   const VI bits = (n + 127) << 23;

@@ -23,7 +23,7 @@ inline V MaskedAdd(V acc, uint16_t bits, float w) {
   return reinterpret_cast<V>(_mm512_mask_add_ps(reinterpret_cast<__m512>(acc), bits, reinterpret_cast<__m512>(acc),
                                                 _mm512_set1_ps(w)));
 #else
-  const VI on = ((VI{} + bits) & (VI{} + 1 << kIota)) != 0;
+  const VI on = ((VI{} + bits) & ((VI{} + 1) << kIota)) != 0;
   return acc + (on ? Splat(w) : V{});
 #endif
 }
