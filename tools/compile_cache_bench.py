@@ -36,7 +36,7 @@ def _child(model: str, method: str, prompt: int, new: int) -> dict:
 
   import specache_jax as sj
   from specache_jax import compile_cache
-  from specache_jax.bench import models as bench_models
+  from experiments.lib.bench import models as bench_models
   t_import = time.perf_counter() - t_import
 
   events = {"programs": 0, "read_back": 0, "compile_s": 0.0, "trace_lower_s": 0.0}
