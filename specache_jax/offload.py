@@ -9,7 +9,11 @@ rows; the result's item i is layer i of the group's (k, v) rows, a pair or one [
                    is ready.
   NumpyHostStore   the default ("auto"): numpy arrays in host RAM; writes and gathers run in one background thread
                    (FIFO, so a written block is always visible to a later gather) and the block is
-                   `jax.device_put` from it.
+                   `jax.device_put` from it. Its `fetch` returns a `PendingFetch`: waiting on it raises
+                   `HostStoreError` (naming the layer group, the worker's exception chained) when the gather, or
+                   a write queued before it, failed, and `HostFetchTimeout` when the block is not ready within
+                   `fetch_timeout_s` ($SPECACHE_JAX_FETCH_TIMEOUT_S, 60 s by default): a fault of the worker
+                   stops the generation at the next wait, never hangs it or lets it read stale rows.
 Decoded rows reach the host a ring flush at a time (`write_block`, called by the runtime when a row's
 residual ring fills, every R steps: its R rows at once), not a row per step: an attend reads a κ row from the
 host only below the ring's 16-bit keys (key_qlen), and those rows are exactly the flushed ones. A flush moves
@@ -19,7 +23,6 @@ Axis letters as in caches/attention.py; X = k rows fetched per KV head.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -35,6 +38,8 @@ from specache_jax import sharding
 from specache_jax.arrays import Ready, tree_nbytes
 from specache_jax.caches.attention import PrefillBlocks
 from specache_jax.caches.specache import HOST_STORES
+from specache_jax.host_worker import (  # noqa: F401 (the errors and the setting, importable from here too)
+    FETCH_TIMEOUT_ENV, HostFetchTimeout, HostStoreError, PendingFetch, Worker, resolve_fetch_timeout)
 from specache_jax.model.decoder import ROW_CHUNK
 
 class MemoryPlanError(ValueError):
@@ -299,7 +304,8 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 class NumpyHostStore:
   kind = "numpy"
 
-  def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None):
+  def __init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, device=None,
+               fetch_timeout_s: float | None = None):
     self.device = device or jax.devices()[0]
     self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
     self.on_device_kv = self.on_device                           # the fetched [G, 2, B, K, X, H]
@@ -307,7 +313,25 @@ class NumpyHostStore:
     self._kv = np.zeros((n_layers, 2) + shape, jnp.dtype(dtype))   # all layers' K and V: one gather per group
     self.k = [kv[0] for kv in self._kv]
     self.v = [kv[1] for kv in self._kv]
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-host")
+    self.fetch_timeout_s = resolve_fetch_timeout(fetch_timeout_s)
+    self._worker = Worker("kv-host")
+    self._failed_write = None      # (what, exception) of the first write that raised in the worker
+
+  def _write(self, what: str, job):
+    """Queue a write; one that raises is kept (every later fetch fails on it) and later writes are dropped."""
+    def run():
+      if self._failed_write is None:
+        try:
+          job()
+        except Exception as e:           # noqa: BLE001 (re-raised by the next fetch, with its layer)
+          self._failed_write = (what, e)
+    self._worker.submit(run)
+
+  def _raise_failed_write(self):
+    if self._failed_write is not None:
+      what, e = self._failed_write
+      raise HostStoreError(f"the {what} failed earlier in the worker ({type(e).__name__}: {e}); the store "
+                           "no longer holds every row") from e
 
   def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
     """The prompt's k/v [n, T, K, H] of sequences row0..row0+n-1, at positions 0..T-1."""
@@ -315,7 +339,7 @@ class NumpyHostStore:
       k, v = np.asarray(k_BTKH).swapaxes(1, 2), np.asarray(v_BTKH).swapaxes(1, 2)
       self.k[layer][row0:row0 + k.shape[0], :, :k.shape[2]] = k
       self.v[layer][row0:row0 + v.shape[0], :, :v.shape[2]] = v
-    self._pool.submit(job)
+    self._write(f"prompt write of layer {layer}", job)
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
     """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
@@ -325,26 +349,31 @@ class NumpyHostStore:
         t = k.shape[2]
         self.k[layer][b, :, start_B[b]:start_B[b] + t] = k[b]
         self.v[layer][b, :, start_B[b]:start_B[b] + t] = v[b]
-    self._pool.submit(job)
+    self._write(f"block write of layer {layer}", job)
 
-  def fetch(self, layers, kappas_BKX):
-    """Consecutive `layers`' rows at their κ [B, K, X] -> a future of one [G, 2, B, K, X, H] device array (item i:
-    layer i's K and V rows): one gather and one transfer per group, on the worker thread."""
-    layers = tuple(layers)
+  def gather(self, layers: tuple[int, ...], kappas_BKX):
+    """On the worker: consecutive `layers`' rows at their κ -> one [G, 2, B, K, X, H] device array."""
+    idx = np.stack([np.asarray(k) for k in kappas_BKX])[:, None]                # [G, 1, B, K, X]
+    rows = take_rows(self._kv[layers[0]:layers[-1] + 1], idx)                   # [G, 2, B, K, X, H]
+    # a new array, never written again: on the CPU backend the device array may be it (no second copy of
+    # the block, which slowed the step's compute: results/throughput_cpu.md); elsewhere a host -> device copy
+    return jax.device_put(rows, self.on_device_kv, may_alias=True)
+
+  def fetch(self, layers, kappas_BKX) -> PendingFetch:
+    """Consecutive `layers`' rows at their κ [B, K, X] -> a pending fetch of one [G, 2, B, K, X, H] device array
+    (item i: layer i's K and V rows): one gather and one transfer per group, on the worker thread."""
+    layers = tuple(int(l) for l in layers)
     if list(layers) != list(range(layers[0], layers[0] + len(layers))) or len(kappas_BKX) != len(layers):
       raise ValueError(f"fetch needs consecutive layers with one κ each; got layers {layers} and "
                        f"{len(kappas_BKX)} κ arrays")
     def job():
-      idx = np.stack([np.asarray(k) for k in kappas_BKX])[:, None]                # [G, 1, B, K, X]
-      rows = take_rows(self._kv[layers[0]:layers[-1] + 1], idx)                   # [G, 2, B, K, X, H]
-      # a new array, never written again: on the CPU backend the device array may be it (no second copy of
-      # the block, which slowed the step's compute: results/throughput_cpu.md); elsewhere a host -> device copy
-      return jax.device_put(rows, self.on_device_kv, may_alias=True)
-    return self._pool.submit(job)
+      self._raise_failed_write()
+      return self.gather(layers, kappas_BKX)
+    return PendingFetch(self._worker.submit(job), layers, self.fetch_timeout_s, self._worker)
 
   def arrays(self):
-    """The K/V arrays after every write queued so far (waits for the worker)."""
-    self._pool.submit(lambda: None).result()
+    """The K/V arrays after every write queued so far (waits for the worker, as a fetch does)."""
+    PendingFetch(self._worker.submit(self._raise_failed_write), (), self.fetch_timeout_s, self._worker).result()
     return self.k + self.v
 
   @property
@@ -352,7 +381,8 @@ class NumpyHostStore:
     return int(self._kv.nbytes)
 
   def close(self):
-    self._pool.shutdown(wait=True)
+    """Stop the worker after the jobs queued so far (at once, dropping them, when a fetch timed out)."""
+    self._worker.shutdown()
 
 
 # ----- the stores on a device mesh -----
@@ -385,17 +415,22 @@ class MeshPinnedHostStore(_MeshPlacement, PinnedHostStore):
 class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
   """NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
 
-  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype):
-    NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0])
+  def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s: float | None = None):
+    NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0],
+                            fetch_timeout_s)
     self._place(mesh)
 
 
-def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None):
-  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given."""
+def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None,
+               fetch_timeout_s: float | None = None):
+  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given.
+  fetch_timeout_s: the numpy store's limit on one wait for a fetch (`resolve_fetch_timeout`)."""
   device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
   kind = resolve_store_kind(kind)
   if mesh is not None:
-    cls = MeshPinnedHostStore if kind == "pinned_host" else MeshNumpyHostStore
-    return cls(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
-  cls = PinnedHostStore if kind == "pinned_host" else NumpyHostStore
-  return cls(n_layers, batch, n_kv, slots, head_dim, dtype, device)
+    if kind == "pinned_host":
+      return MeshPinnedHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
+    return MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
+  if kind == "pinned_host":
+    return PinnedHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device)
+  return NumpyHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device, fetch_timeout_s)

@@ -20,7 +20,7 @@ from configs import longbench as longbench_cfg
 from configs import niah as niah_cfg
 from configs import perplexity as perplexity_cfg
 from experiments.lib import ablations, hitrate, longbench, models, niah, perplexity
-from experiments.lib.store import ResultStore, fingerprint
+from experiments.lib.store import CorruptResultWarning, ResultStore, fingerprint
 from experiments.lib.teacher_forcing import teacher_forced_nll
 import specache_jax as sj
 from specache_jax.data import longbench as lb
@@ -64,8 +64,8 @@ def test_store_is_atomic_resumable_and_fingerprinted(tmp_path):
   assert again.get("a")["run_id"] == store.run_id != again.run_id
   assert not list(tmp_path.glob(".*.tmp"))                            # no temporary file left behind
   path.write_text("{not json")
-  with pytest.raises(ValueError, match="not valid JSON"):
-    ResultStore(path)
+  with pytest.warns(CorruptResultWarning, match="is damaged"):
+    assert ResultStore(path).cells == {}                              # set aside (tests/test_sweep_resume.py)
 
 
 # ---------------------------------------------------------------------------------- teacher forcing

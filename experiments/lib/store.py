@@ -1,10 +1,16 @@
 """Resumable result files: cells written incrementally and atomically, finished cells skipped on restart.
 
 A sweep is a set of cells (e.g. NIAH: method × context length × needle depth). `ResultStore` keeps them in one
-JSON file `{"cells": {cell_id: record}}`; every `put` rewrites the file through a temporary file and
-`os.replace`, so a run killed at any moment leaves either the previous or the new complete file. Each record
-carries the fingerprint of the settings that produced it: a restarted run with different settings recomputes
-the cell instead of reusing a stale answer.
+JSON file `{"meta": ..., "cells": {cell_id: record}, "checksums": {cell_id: sha256 of the record}}`; every
+`put` rewrites the file through a temporary file, fsync and `os.replace`, so a run killed at any moment (even
+by SIGKILL) leaves either the previous or the new complete file. Each record carries the fingerprint of the
+settings that produced it: a restarted run with different settings recomputes the cell instead of reusing a
+stale answer.
+
+A damaged file is never read as results: one that is not valid JSON (truncated, bytes flipped) is renamed
+`<name>.corrupt` and the sweep starts over; a record whose checksum does not match (a flipped bit that
+still parses) is dropped, to be recomputed, the file as found kept as `<name>.corrupt`. Each case warns
+(`CorruptResultWarning`) naming the file. Files written before checksums existed are read as they are.
 """
 from __future__ import annotations
 
@@ -16,7 +22,12 @@ import dataclasses
 import tempfile
 import time
 import uuid
+import warnings
 from typing import Any, Iterable, Mapping
+
+
+class CorruptResultWarning(UserWarning):
+  """A result file (or some of its records) failed to parse or to match its checksum and is recomputed."""
 
 
 @dataclasses.dataclass
@@ -45,10 +56,41 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
+  _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: pathlib.Path) -> None:
+  """Make a rename in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
+  try:
+    fd = os.open(folder, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
   atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False, ensure_ascii=False) + "\n")
+
+
+def record_checksum(rec: Any) -> str:
+  """sha256 of a record as the store serializes it (stable through a write and a read: int keys and tuples
+  serialize as their JSON forms either way)."""
+  return hashlib.sha256(json.dumps(rec, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def set_aside(path: pathlib.Path) -> pathlib.Path:
+  """Rename `path` to `<name>.corrupt` (`<name>.<n>.corrupt` when taken) -> the new path."""
+  target, n = path.with_name(path.name + ".corrupt"), 1
+  while target.exists():
+    n += 1
+    target = path.with_name(f"{path.name}.{n}.corrupt")
+  os.replace(path, target)
+  return target
 
 
 def fingerprint(*parts: Any) -> str:
@@ -67,13 +109,36 @@ class ResultStore:
     self.cells: dict[str, dict] = {}
     self.computed = 0          # cells this process has put
     if self.path.exists():
-      try:
-        data = json.loads(self.path.read_text(encoding="utf-8"))
-      except json.JSONDecodeError as e:
-        raise ValueError(f"result file {self.path} is not valid JSON ({e.msg}); delete it to start over") from e
+      self.cells = self._load()
+
+  def _load(self) -> dict[str, dict]:
+    """The file's records whose checksums match; a damaged file or record is set aside with a warning."""
+    try:
+      data = json.loads(self.path.read_bytes().decode("utf-8"))
       if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
-        raise ValueError(f"result file {self.path} has no 'cells' mapping; delete it to start over")
-      self.cells = data["cells"]
+        raise ValueError("no 'cells' mapping")
+      sums = data.get("checksums")
+      if sums is not None and not isinstance(sums, dict):
+        raise ValueError("'checksums' is not a mapping")
+    except ValueError as e:                 # JSONDecodeError and UnicodeDecodeError are ValueErrors
+      aside = set_aside(self.path)
+      warnings.warn(f"result file {self.path} is damaged ({type(e).__name__}: {e}); moved to {aside.name}, "
+                    "every cell is recomputed", CorruptResultWarning, stacklevel=3)
+      return {}
+    cells = data["cells"]
+    if sums is None:                        # written before checksums existed
+      return cells
+    bad = [c for c, rec in cells.items() if not isinstance(rec, dict) or sums.get(c) != record_checksum(rec)]
+    if bad:
+      aside = set_aside(self.path)
+      cells = {c: rec for c, rec in cells.items() if c not in bad}
+      atomic_write_json(self.path, {"meta": data.get("meta", {}), "cells": cells,
+                                    "checksums": {c: sums[c] for c in cells}})
+      shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+      warnings.warn(f"result file {self.path}: {len(bad)} record(s) do not match their checksums ({shown}); "
+                    f"they are recomputed (the file as found is kept as {aside.name})", CorruptResultWarning,
+                    stacklevel=3)
+    return cells
 
   def done(self, cell_id: str, fp: str) -> bool:
     """Whether `cell_id` has a record computed with the same settings fingerprint."""
@@ -96,4 +161,5 @@ class ResultStore:
     return self.cells[cell_id]
 
   def save(self) -> None:
-    atomic_write_json(self.path, {"meta": self.meta, "cells": self.cells})
+    atomic_write_json(self.path, {"meta": self.meta, "cells": self.cells,
+                                  "checksums": {c: record_checksum(rec) for c, rec in self.cells.items()}})
