@@ -14,6 +14,7 @@ import dataclasses
 import pathlib
 import time
 
+import jax
 import numpy as np
 
 from experiments.lib import methods, models, report
@@ -103,7 +104,11 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   store = ResultStore(out_dir / "results.json", meta={"experiment": "niah", "command": command})
   computed = skipped = 0
   groups = [(label, n, key) for label in labels for n in lengths for key in specs]
+  previous = None
   for label, n, key in report.progress(groups, desc="niah"):
+    if label != previous:      # a method's programs are not used again (ruler.py: vm.max_map_count)
+      jax.clear_caches()
+      previous = label
     fp = fingerprint(needle_fingerprint(config, key), dict(methods.settings_fingerprint_parts(config, label)))
     todo = [d for d in depths if not store.done(cell_id(label, n, d, key), fp)]
     skipped += len(depths) - len(todo)
