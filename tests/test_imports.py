@@ -38,7 +38,7 @@ KNOWN_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 MAX_LINES = 500                 # a module of the library or the harness
 MAX_LAUNCHER_LINES = 100        # a launcher (experiments/*.py): flags or a config file -> one harness call
 # Files still over MAX_LINES (strict, like the lists above).
-KNOWN_LONG_FILES: set[str] = {"specache_jax/caches/specache.py"}
+KNOWN_LONG_FILES: set[str] = set()
 
 
 def project_modules() -> dict[str, pathlib.Path]:
