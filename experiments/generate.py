@@ -20,7 +20,7 @@ def main(argv):
   logging.info("%d prompt tokens, %d new tokens, %.1f s (incl. compilation)", result.prompt_tokens,
                result.new_tokens, result.seconds)
   if result.stats is not None:
-    print({k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v]) for k, v in result.stats.items()})
+    print({k: (round(v, 4) if isinstance(v, (int, float)) else [round(x, 4) for x in v]) for k, v in result.stats.items()})
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """The public surface: load_model, forward, generate, cache_config (re-exported by `specache_jax`)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax import decode, guards, sharding, validation
+from specache_jax import clock, decode, guards, sharding, validation
 from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.model.decoder import forward_full
 from specache_jax.runtime import OffloadRuntime
@@ -55,8 +56,23 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
   mesh: a ("data", "model") `jax.sharding.Mesh` (sharding.make_mesh): batch on data, heads on model.
   check_numerics: raise guards.NonFiniteError naming the step and layer where logits or cache entries first
     became NaN/Inf.
-  Returns decode.GenerateOutput (tokens [B, max_new_tokens]); with return_stats also a dict of rates.
+  Returns decode.GenerateOutput (tokens [B, max_new_tokens]); with return_stats also a dict: the method's rates
+  (`decode.summarize_stats`) and the call's timing (`clock.CallClock.stats`: wall_s, ttft_s, decode_s,
+  decode_tokens_per_s, compile_s, compilations).
   """
+  with clock.CallClock() if return_stats else contextlib.nullcontext() as timer:
+    out = _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths, seed, rng, stop_tokens, mesh,
+                    check_numerics, timer)
+    if not return_stats:
+      return out
+    timer.stop(out)
+  stats = decode.summarize_stats(jax.device_get(out.stats))
+  new_tokens = int(np.sum(np.maximum(np.asarray(jax.device_get(out.num_tokens)) - 1, 0)))
+  return out, dict(stats, **timer.stats(new_tokens))
+
+
+def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths, seed, rng, stop_tokens, mesh,
+              check_numerics, timer):
   params, cfg = _model_parts(model)
   method = cache_config(cache) if isinstance(cache, str) else (cache or cache_config("full"))
   validation.check_prompt_values(tokens)
@@ -76,8 +92,7 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
   if method.offload:
     runtime = OffloadRuntime(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1], mesh=mesh,
                              check_numerics=check_numerics)
-    out = runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id)
-    return (out, decode.summarize_stats(out.stats)) if return_stats else out
+    return runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id, clock=timer)
   if mesh is not None:
     params = sharding.shard_params(params, cfg, mesh)
     toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
@@ -86,10 +101,8 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
   spec = decode.SamplingSpec.make(temperature, top_p, stop_tokens, pad_id)
   out = decode.generate_jit(params, toks_d, lens_d, rng, spec, cfg=cfg, method=method,
                             max_new_tokens=max_new_tokens, max_len=max_len, mesh=mesh,
-                            check_numerics=check_numerics)
+                            check_numerics=check_numerics, clock=timer)
   if check_numerics:
     out, record = guards.pop_record(out)
     guards.raise_if_bad(record, cfg.n_layers)
-  if return_stats:
-    return out, decode.summarize_stats(jax.device_get(out.stats))
   return out

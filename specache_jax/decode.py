@@ -1,10 +1,11 @@
 """Generation: one decode protocol for every path — the jitted loop, the offload runtime, teacher forcing and
 the benchmarks.
 
-  prefill -> first token (sampled) -> `start` (SpeCache: the pre-decoding pass + its speculative guess)
-  -> steps: decode [T_t(, T'_{t+1})] -> sample T_{t+1} -> `next_input` -> `speculation` (hits, misses)
-     -> `observe_speculation` (tell the method which rows missed and, with prompt lookup, where the next
-        input's rows copy from: `input_anchors`)
+  prefill -> first token (sampled: `first_token`) -> `start` (SpeCache: the pre-decoding pass + its speculative
+  guess: `start_input`) -> steps: tell the method how the last step's guesses fared (`observation`, its
+  speculation's `observe` hook: which rows missed and, with prompt lookup, where the input's rows copy from:
+  `input_anchors`) -> decode [T_t(, T'_{t+1})] -> `finish_step`: sample T_{t+1}, stop tokens, `next_input`,
+  `speculation` (hits, misses), the method's statistics
 
 What speculation changes here is read from one value, `method.speculation` (caches/speculation.py; one row per
 step for every method but SpeCache). With `keeps_tokens` (SpeCache's `lookup`) the cache records its tokens' ids
@@ -13,9 +14,12 @@ step for every method but SpeCache). With `keeps_tokens` (SpeCache's `lookup`) t
 
 Every cache method runs through the same loop; a method that decodes speculative rows beside the real one
 (SpeCache: one guess of the next token, or its `candidates` likeliest) has a speculation `width` of 1 + C and the
-loop feeds `[T_t, T'_{t+1}, ...]` (the guesses all at position n + 1: its `row_offsets`). The jitted loop
-carries a `DecodeState` and takes a `SamplingSpec`; decoding steps run the decoder's per-layer loop over a
-per-layer cache (`decoder.per_layer`) with per-layer params, so each layer's buffers are updated in place.
+loop feeds `[T_t, T'_{t+1}, ...]` (the guesses all at position n + 1: its `row_offsets`). A step is
+`decode_step` (the jitted loop: the decoder's per-layer loop over a per-layer cache, `decoder.per_layer`, with
+per-layer params, so each layer's buffers are updated in place) or the offload runtime's layer groups
+(runtime.py: only where κ's rows come from and when they are waited for differ); both end in `finish_step` on
+a `DecodeState`. The jitted path is two programs (`start_jit`: prefill, first token, pre-decoding; `loop_jit`:
+the decoding steps, the state donated) with one wait for the first token between them when the call is timed.
 """
 from __future__ import annotations
 
@@ -78,6 +82,8 @@ class DecodeState:
   stats: dict              # the method's aux summed over steps and active rows, leaves [L]
   spec_hits: jax.Array     # [] float32 steps whose speculative token was the sampled one (active rows)
   spec_steps: jax.Array    # [] float32 active row-steps with a speculative token
+  missed: jax.Array        # [B] bool: every guess of the last sampled token was wrong (told to the method
+                           # before the next step: `observation`)
   record: jax.Array        # [3] int32 guards' first non-finite record (-1 while finite)
 
 
@@ -162,20 +168,43 @@ def speculation(method: CacheConfig, inp_BW, nxt_B, active_B):
 
 def input_anchors(method: CacheConfig, tokens_BS, lengths_B, inp_BW):
   """Where the rows of the next input [B, W] copy from (`history.anchors`, [B, width] int32: a first input
-  [B, 1] gets `history.NONE` for its candidates), or None without the speculation's `anchor_rows`."""
-  spec = method.speculation
-  if not spec.anchor_rows:
+  [B, 1] gets `history.NONE` for its candidates), or None for a method without `anchor_rows`."""
+  if not method.speculation.anchor_rows:
     return None
+  spec = method.speculation
   at_BW = history.anchors(tokens_BS, lengths_B, inp_BW, spec.lookup, min_match=spec.anchor_min_match)
   pad = spec.width - at_BW.shape[1]
   return jnp.pad(at_BW, ((0, 0), (0, pad)), constant_values=history.NONE) if pad else at_BW
 
 
+def observation(method: CacheConfig, missed_B, tokens_BS, lengths_B, inp_BW):
+  """What a speculative method's `Speculation.observe` hook is told before the input rows inp_BW [B, W] are
+  decoded: the rows whose guesses of inp's real token all missed ([B] bool, or None) and, with `anchor_rows`,
+  where inp's rows copy from (`input_anchors`, from the ids stored before them; else None). None for a one-row
+  method (nothing to tell)."""
+  if method.speculation.width == 1:
+    return None
+  return missed_B, input_anchors(method, tokens_BS, lengths_B, inp_BW)
+
+
+def predecode_observation(method: CacheConfig, first_B, tokens_BS, lengths_B):
+  """Before the pre-decoding pass, with `anchor_rows`: κ_1 is T1's, so T1's own anchor; else None."""
+  if not method.speculation.anchor_rows:
+    return None
+  return observation(method, jnp.zeros(first_B.shape, bool), tokens_BS, lengths_B, first_B[:, None])
+
+
+def observed(method: CacheConfig, cache: Cache, obs) -> Cache:
+  """The cache after the method's hook saw `obs` (`observation`; None: unchanged)."""
+  return cache if obs is None else cache.replace(layers=_observe(method, cache.layers, *obs))
+
+
 def observe_speculation(method: CacheConfig, cache: Cache, missed_B, inp_BW=None) -> Cache:
   """Tell a speculative method which rows' guesses all missed and, with `anchor_rows`, where the next input's
   rows [B, W] copy from (`Speculation.observe`)."""
-  anchors = None if inp_BW is None else input_anchors(method, cache.tokens, cache.lengths, inp_BW)
-  return cache.replace(layers=_observe(method, cache.layers, missed_B, anchors))
+  if inp_BW is None:
+    return cache.replace(layers=_observe(method, cache.layers, missed_B, None))
+  return observed(method, cache, observation(method, missed_B, cache.tokens, cache.lengths, inp_BW))
 
 
 def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
@@ -209,20 +238,45 @@ def prefill(params, cfg: ModelConfig, method: CacheConfig, tokens_BT, lengths_B,
   return logits[:, 0], cache
 
 
+def first_token(logits_BV, rng, spec: SamplingSpec):
+  """The first generated token from the prefill's logits -> (first [B] int32, the rng to go on with)."""
+  rng, sub = jax.random.split(rng)
+  return sample(logits_BV, sub, spec), rng
+
+
+def start_input(method: CacheConfig, first_B, logits_BV=None, tokens_BS=None, lengths_B=None):
+  """The first decoding input [B, W]: T1 and, after a pre-decoding pass whose logits are logits_BV [B, V], its
+  guesses of T2 (with a looked-up one where the method has lookup: the cache's ids and lengths)."""
+  if logits_BV is None:
+    return first_input(method, first_B)
+  return first_input(method, first_B, guesses(method, logits_BV, lookup_guess(method, tokens_BS, lengths_B, first_B)))
+
+
 def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
   """After the first token: SpeCache's pre-decoding pass (over the low-bit copy; picks and fetches κ1) and its
   guess of token 2. Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
   if not method.speculation.predecodes:
-    return first_input(method, first_B), cache, None
-  none_missed = jnp.zeros(first_B.shape, bool)
-  if method.speculation.anchor_rows:                                          # κ_1 is T1's: its own anchor
-    cache = observe_speculation(method, cache, none_missed, first_B[:, None])
+    return start_input(method, first_B), cache, None
+  cache = observed(method, cache, predecode_observation(method, first_B, cache.tokens, cache.lengths))
   logits, cache, _ = decoder.forward(params, cfg, first_B[:, None], cache, method, "predecode")
-  looked_up = lookup_guess(method, cache.tokens, cache.lengths, first_B)
-  inp = first_input(method, first_B, guesses(method, logits[:, 0], looked_up))
+  inp = start_input(method, first_B, logits[:, 0], cache.tokens, cache.lengths)
   if method.speculation.anchor_rows:                                          # step 1's rows (κ_2 is the candidates')
-    cache = observe_speculation(method, cache, none_missed, inp)
+    cache = observe_speculation(method, cache, jnp.zeros(first_B.shape, bool), inp)
   return inp, cache, logits[:, 0]
+
+
+def begin_state(method: CacheConfig, cache: Cache, first_B, inp_BW, rng, spec: SamplingSpec, max_new_tokens: int,
+                step_aux, record=None) -> DecodeState:
+  """The state before decoding step 1: T1 in the output, no statistics yet. step_aux: a decoding step's aux
+  (shapes suffice), leaves [L, B], whose sums over rows the state carries."""
+  b = first_B.shape[0]
+  return DecodeState(
+      step=jnp.int32(1), cache=cache, inp=inp_BW,
+      tokens=jnp.full((b, max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first_B),
+      done=is_stop(first_B, spec), num_tokens=jnp.ones((b,), jnp.int32), rng=rng,
+      stats=jax.tree.map(lambda s: jnp.zeros(s.shape[:1], jnp.float32), step_aux),
+      spec_hits=jnp.zeros((), jnp.float32), spec_steps=jnp.zeros((), jnp.float32),
+      missed=jnp.zeros((b,), bool), record=guards.empty_record() if record is None else record)
 
 
 def _masked_sum(aux, active_B):
@@ -231,39 +285,60 @@ def _masked_sum(aux, active_B):
   return jax.tree.map(lambda a: jnp.einsum("lb,b->l", a.astype(jnp.float32), w), aux)
 
 
-def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeState, spec: SamplingSpec,
-                pin=lambda c: c, check_numerics: bool = False) -> DecodeState:
-  """One step of the protocol: decode the input rows, sample, update the output and speculation counts."""
+def finish_step(method: CacheConfig, state: DecodeState, cache: Cache, logits_BWV, aux, spec: SamplingSpec
+                ) -> DecodeState:
+  """The tail of a decoding step, once the input rows went through the layers: sample the next token (the pad
+  id for a row already done), stop tokens, the next input, the speculation outcome, the method's statistics
+  summed over the active rows. cache: after the step (its ids and lengths feed `next_input`'s lookup; the offload
+  runtime's has no layers); logits [B, W, V]; aux leaves [L, B]."""
   active = ~state.done
-  logits, cache, aux = decoder.forward(params, cfg, state.inp, state.cache, method, "decode")
-  cache = pin(cache)
-  record = state.record
-  if check_numerics:
-    record = guards.update(record, state.step, "decode", logits, cache.layers)
   rng, sub = jax.random.split(state.rng)
-  nxt = jnp.where(state.done, spec.pad_id, sample(logits[:, 0], sub, spec))
+  nxt = jnp.where(state.done, spec.pad_id, sample(logits_BWV[:, 0], sub, spec))
   hits, steps, missed = speculation(method, state.inp, nxt, active)
-  inp = next_input(method, state.inp, nxt, logits, cache.tokens, cache.lengths)
-  if method.speculation.width > 1:
-    cache = observe_speculation(method, cache, missed, inp)
   return state.replace(
-      step=state.step + 1, cache=cache, inp=inp,
+      step=state.step + 1, cache=cache, inp=next_input(method, state.inp, nxt, logits_BWV, cache.tokens,
+                                                        cache.lengths),
       tokens=jax.lax.dynamic_update_slice(state.tokens, nxt[:, None], (0, state.step)),
       done=state.done | is_stop(nxt, spec), num_tokens=state.num_tokens + active.astype(jnp.int32), rng=rng,
       stats=jax.tree.map(jnp.add, state.stats, _masked_sum(aux, active)),
-      spec_hits=state.spec_hits + hits, spec_steps=state.spec_steps + steps, record=record)
+      spec_hits=state.spec_hits + hits, spec_steps=state.spec_steps + steps, missed=missed)
+
+
+def decode_step(params, cfg: ModelConfig, method: CacheConfig, state: DecodeState, spec: SamplingSpec,
+                pin=lambda c: c, check_numerics: bool = False) -> DecodeState:
+  """One step of the protocol: tell the method the last step's outcome, decode the input rows, `finish_step`."""
+  cache = observed(method, state.cache, observation(method, state.missed, state.cache.tokens, state.cache.lengths,
+                                                    state.inp))
+  logits, cache, aux = decoder.forward(params, cfg, state.inp, cache, method, "decode")
+  cache = pin(cache)
+  if check_numerics:
+    state = state.replace(record=guards.update(state.record, state.step, "decode", logits, cache.layers))
+  return finish_step(method, state, cache, logits, aux, spec)
+
+
+def output(state: DecodeState, check_numerics: bool = False) -> GenerateOutput:
+  """The generation the state holds (with check_numerics, guards' record in stats[guards.RECORD_KEY])."""
+  stats = dict(state.stats, spec_token_hits=state.spec_hits, spec_token_steps=state.spec_steps)
+  if check_numerics:
+    stats[guards.RECORD_KEY] = state.record
+  return GenerateOutput(tokens=state.tokens, num_tokens=state.num_tokens, stats=stats)
+
+
+def _pin(mesh):
+  return (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "max_len", "mesh",
                                              "check_numerics"))
-def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig,
-                 method: CacheConfig, max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False):
-  """mesh: a ("data", "model") Mesh to lay the cache out on (sharding.py; params arrive already sharded).
-  check_numerics: carry guards' first-non-finite record, returned as stats[guards.RECORD_KEY]."""
+def start_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig,
+              max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False) -> DecodeState:
+  """The first program: prefill, the first token, `start` -> the state before decoding step 1 (per-layer cache).
+  mesh: a ("data", "model") Mesh to lay the cache out on (sharding.py; params arrive already sharded).
+  check_numerics: carry guards' first-non-finite record."""
   b = tokens_BT.shape[0]
-  pin = (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
-  # Decoding steps: one buffer per layer (updated in place in the loop) and per-layer weights, sliced once; the
-  # prompt too where `prefill_per_layer` says so.
+  pin = _pin(mesh)
+  # Decoding steps: one buffer per layer (updated in place in the loop) and per-layer weights; the prompt too
+  # where `prefill_per_layer` says so.
   layer_params = decoder.unstack_params(params, cfg.n_layers)
   prompt_params, cache = prefill_layout(params, layer_params, init_cache(method, cfg, b, max_len,
                                                                         params["embed"].dtype), tokens_BT.shape)
@@ -273,8 +348,7 @@ def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: 
   cache = pin(cache)
   if check_numerics:
     record = guards.update(record, 0, "prefill", logits, cache.layers)
-  rng, sub = jax.random.split(rng)
-  first = sample(logits, sub, spec)
+  first, rng = first_token(logits, rng, spec)
   inp, cache, logits_p = start(prompt_params, cfg, method, first, cache)
   cache = pin(cache)
   if check_numerics and logits_p is not None:
@@ -282,26 +356,38 @@ def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: 
   cache = decoder.per_layer(cache, cfg.n_layers)
   step_aux = jax.eval_shape(
       lambda c, i: decoder.forward(layer_params, cfg, i, c, method, "decode")[2], cache, inp)
-  state = DecodeState(
-      step=jnp.int32(1), cache=cache, inp=inp,
-      tokens=jnp.full((b, max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first),
-      done=is_stop(first, spec), num_tokens=jnp.ones((b,), jnp.int32), rng=rng,
-      stats=jax.tree.map(lambda s: jnp.zeros(s.shape[:1], jnp.float32), step_aux),
-      spec_hits=jnp.zeros((), jnp.float32), spec_steps=jnp.zeros((), jnp.float32), record=record)
-  state = jax.lax.while_loop(
-      lambda s: (s.step < max_new_tokens) & ~jnp.all(s.done),
+  return begin_state(method, cache, first, inp, rng, spec, max_new_tokens, step_aux, record)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "mesh", "check_numerics"), donate_argnames=("state",))
+def loop_jit(params, state: DecodeState, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig, mesh=None,
+             check_numerics: bool = False) -> DecodeState:
+  """The second program: decoding steps until the output is full or every row is done. The state is donated
+  and returned (the cache too, so that XLA aliases it: the loop updates it in place, with no copy on entry)."""
+  layer_params = decoder.unstack_params(params, cfg.n_layers)
+  pin = _pin(mesh)
+  return jax.lax.while_loop(
+      lambda s: (s.step < s.tokens.shape[1]) & ~jnp.all(s.done),
       lambda s: decode_step(layer_params, cfg, method, s, spec, pin, check_numerics), state)
-  stats = dict(state.stats, spec_token_hits=state.spec_hits, spec_token_steps=state.spec_steps)
-  if check_numerics:
-    stats[guards.RECORD_KEY] = state.record
-  return GenerateOutput(tokens=state.tokens, num_tokens=state.num_tokens, stats=stats)
+
+
+def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig,
+                 max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False,
+                 clock=None) -> GenerateOutput:
+  """The jitted path: `start_jit` then `loop_jit`. clock: a `clock.CallClock` to mark the first token (the
+  one wait between the programs; None: no wait). check_numerics: guards' record as stats[guards.RECORD_KEY]."""
+  kw = dict(cfg=cfg, method=method, mesh=mesh, check_numerics=check_numerics)
+  state = start_jit(params, tokens_BT, lengths_B, rng, spec, max_new_tokens=max_new_tokens, max_len=max_len, **kw)
+  if clock is not None:
+    clock.first_token(state.tokens)
+  return output(loop_jit(params, state, spec, **kw), check_numerics)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "mesh"))
 def prefill_cache(params, tokens_BT, lengths_B, *, cfg: ModelConfig, method: CacheConfig, max_len: int,
                   mesh=None) -> Cache:
-  """The cache after the prompt, laid out (on `mesh`, if given) as `generate_jit` lays it out."""
-  pin = (lambda c: sharding.constrain_cache(c, mesh)) if mesh is not None else (lambda c: c)
+  """The cache after the prompt, laid out (on `mesh`, if given) as `start_jit` lays it out."""
+  pin = _pin(mesh)
   cache = pin(init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype))
   return pin(prefill(params, cfg, method, tokens_BT, lengths_B, cache)[1])
 

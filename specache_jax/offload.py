@@ -136,6 +136,12 @@ def prefill_activation_bytes(model_cfg, batch: int, prompt_len: int, dtype,
   return int(rows * per_row + piece + tile + batch * c.vocab_size * 4 * 4)
 
 
+@functools.lru_cache(maxsize=64)
+def _state_bytes(model_cfg, method, batch: int, max_len: int, dtype) -> int:
+  """Bytes of the method's state (from its shapes: a trace, kept per shape so a repeated plan traces nothing)."""
+  return tree_nbytes(jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype)))
+
+
 def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
                 device=None, host_available: int | None = None, device_available: int | None = None,
                 platform: str | None = None, pinned_limit: int | None = None,
@@ -149,8 +155,7 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   device = device or jax.devices()[0]
   platform = platform or device.platform
   nbytes = tree_nbytes
-  st = jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype))
-  resident = nbytes(params) + nbytes(st)
+  resident = nbytes(params) + _state_bytes(model_cfg, method, batch, max_len, jnp.dtype(dtype))
   host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
       jnp.dtype(dtype).itemsize
   device_available = device_available if device_available is not None else _device_available_bytes(device)

@@ -5,24 +5,25 @@ group: each call is a Python dispatch, and on a 2-core CPU or in front of a GPU 
 not free. Step t, group g (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
   1. κ_t: take group g's rows fetched during step t-1 (double buffer: `pending[g]`), or — non-speculative,
      or exact_on_miss after a wrong guess
-     — choose each layer's κ_t from the real row now (`specache.kappa_for_step`) and fetch it synchronously,
-     layer by layer (the fetch on the critical path);
+     — choose each layer's κ_t from the real row now (the method's `kappa_for_step`) and fetch it
+     synchronously, layer by layer (the fetch on the critical path);
   2. run the group's layers (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends
-     with the fetched rows, stores the real row on the device side and records κ_{t+1}); their states are
-     donated (updated in place) — only after `pending[g]` is waited on, so the worker has read their κ;
+     with the fetched rows, stores the real row on the device side and records κ_{t+1}), each after its
+     speculation's `observe` hook saw the last step's outcome; their states are donated (updated in place) — only
+     after `pending[g]` is waited on, so the worker has read their κ;
   3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
      at once (the host only ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows);
   4. issue the gather of the group's κ_{t+1} rows on the host and their `jax.device_put` (one block per group)
      — before group g+1 is dispatched, so the transfer runs while groups g+1.. of step t compute; it is
      needed only by group g of step t+1.
-The SpeCache step itself is written once, in caches/specache.py; here only the fetches differ (host store
-instead of a device gather), and every write of the method's state goes through its functions.
+Then the step's tail is the jitted loop's (`decode.finish_step`, one call): sampling, stop tokens, the next input,
+the speculation outcome and the method's statistics on a `decode.DecodeState`. The SpeCache step itself is
+written once, in caches/specache.py, reached through `method.impl` (`with_fetched`, `kappa_for_step`,
+`fetches_on_critical_path`); here only the fetches differ (host store instead of a device gather).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specache_jax import decode, guards, history, offload, sharding
-from specache_jax.caches import specache as sc
-from specache_jax.caches.speculation import observe as observe_speculation
+from specache_jax.caches.base import Cache
 from specache_jax.model import decoder as dec
 
 
@@ -64,38 +64,55 @@ def layer_groups(n_layers: int, groups: int) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(int(l) for l in part) for part in np.array_split(np.arange(n_layers), min(groups, n_layers)))
 
 
+def _observed(method, st, obs):
+  """One layer's state after the method's hook saw `obs` (`decode.observation`; None: unchanged)."""
+  return st if obs is None else method.speculation.observe(st, *obs)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "layout"), donate_argnames=("sts",))
-def _layers(lps, x, lengths, rope, sts, rows=None, *, cfg, method, phase, layout=None):
+def _layers(lps, x, lengths, rope, sts, rows=None, obs=None, *, cfg, method, phase, layout=None):
   """Consecutive layers in one call; their states are donated. rows: for each layer i of the group, the
   (k, v) [B, K, X, H] fetched for its state's κ (rows[i] a pair or one [2, B, K, X, H] array; all of rows
   may be one [G, 2, B, K, X, H] array, as the numpy store delivers a group), installed first; None keeps the
-  rows each state holds."""
-  out = []
+  rows each state holds. obs: what each layer's hook is told first (`decode.observation`, or None).
+  -> (x, states, each layer's aux)."""
+  out, auxes = [], []
   for i, (lp, st) in enumerate(zip(lps, sts)):
+    st = _observed(method, st, obs)
     if rows is not None:
-      st = sc.with_fetched(st, st.kappa, *rows[i])
-    x, st, _ = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
+      st = method.impl.with_fetched(st, st.kappa, *rows[i])
+    x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
     out.append(_keep(st, layout))
-  return x, tuple(out)
+    auxes.append(aux)
+  return x, tuple(out), tuple(auxes)
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnums=0)
+def _prepared(st, rows, obs, *, method):
+  """A layer's state before a critical-path step: its hook told `obs`, the prefetched rows (or None) installed."""
+  st = _observed(method, st, obs)
+  return st if rows is None else method.impl.with_fetched(st, st.kappa, *rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
 def _kappa_for_step(lp, x, lengths, rope, st, *, cfg, method):
   q, k, v = dec.attention_inputs(cfg, lp, x, rope)
-  return sc.kappa_for_step(method, st, q, k, v, lengths)
+  return method.impl.kappa_for_step(method, st, q, k, v, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
-def _observe(states, missed_B, tokens_BS, lengths_B, inp_BW, *, method):
-  """The rows whose guesses missed (or None) and, with anchor_rows, where the input's rows copy from (the ids
-  stored before it). Not donating: the host store's worker may still read the states' κ of pending fetches (jit
-  forwards the unchanged leaves without a copy)."""
-  return observe_speculation(method, states, missed_B, decode.input_anchors(method, tokens_BS, lengths_B, inp_BW))
+def _observation(missed_B, tokens_BS, lengths_B, inp_BW, *, method):
+  return decode.observation(method, missed_B, tokens_BS, lengths_B, inp_BW)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _with_fetched(st, kappa, rows):
-  return sc.with_fetched(st, kappa, *rows)
+@functools.partial(jax.jit, static_argnames=("method",))
+def _predecode_observation(first_B, tokens_BS, lengths_B, *, method):
+  return decode.predecode_observation(method, first_B, tokens_BS, lengths_B)
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnums=0)
+def _with_fetched(st, kappa, rows, *, method):
+  return method.impl.with_fetched(st, kappa, *rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "phase"))
@@ -116,21 +133,44 @@ def _head(params, x, rows, *, cfg):
   return dec.lm_head(params, cfg, x)[:, 0]                                  # [B, V]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method"))
-def _sample_next(params, x, rng, inp, done, spec, tokens, lengths, *, cfg, method):
-  """The protocol's step tail on the device: sample, next input, speculation outcome. tokens, lengths: the ids
-  stored after the step and their count (`OffloadRuntime.tokens`; None without lookup)."""
-  logits = dec.lm_head(params, cfg, x)                                      # [B, W, V]
-  nxt = jnp.where(done, spec.pad_id, decode.sample(logits[:, 0], rng, spec))
-  hits, steps, missed = decode.speculation(method, inp, nxt, ~done)
-  return nxt, decode.next_input(method, inp, nxt, logits, tokens, lengths), hits, steps, missed
+_first = jax.jit(decode.first_token)
 
 
-@dataclasses.dataclass
-class Timings:
-  prefill_s: float = 0.0
-  decode_s: float = 0.0
-  steps: int = 0
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens"))
+def _begin(params, x_B1D, first_B, rng, spec, tokens_BS, lengths_B, lp, st, *, cfg, method, max_new_tokens):
+  """The state before decoding step 1 (`decode.begin_state`): the first input from the pre-decoding pass's
+  hidden state x (None without one). lp, st: a layer's params and state, for the shapes of a step's aux. The
+  state's cache holds the lengths only: the layer states and the ids stay the runtime's."""
+  logits = None if x_B1D is None else dec.lm_head(params, cfg, x_B1D)[:, 0]
+  inp = decode.start_input(method, first_B, logits, tokens_BS, lengths_B)
+  def step_aux(x):
+    rope = dec.rope_for(cfg, "decode", lengths_B, x.shape[1], method.speculation.row_offsets(x.shape[1]))
+    return dec.layer_forward(cfg, method, lp, x, lengths_B, st, "decode", rope)[2]
+  aux = jax.eval_shape(step_aux, dec.embed(params, inp))
+  aux_LB = jax.tree.map(lambda a: jax.ShapeDtypeStruct((cfg.n_layers,) + a.shape, a.dtype), aux)
+  return decode.begin_state(method, Cache(layers=(), lengths=lengths_B), first_B, inp, rng, spec, max_new_tokens,
+                            aux_LB)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnames=("state",))
+def _finish(params, x_BWD, auxes, state, tokens_BS, spec, *, cfg, method):
+  """`decode.finish_step` after the runtime's layers: the lengths advance as `decoder.forward`'s do; the ids
+  after the step (`OffloadRuntime.tokens`; None without lookup) are read, not kept in the state."""
+  stored_B = method.speculation.rows_stored(state.inp.shape[1], "decode")
+  after = Cache(layers=(), lengths=state.cache.lengths + stored_B, tokens=tokens_BS)
+  aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes and auxes[0] else {}
+  state = decode.finish_step(method, state, after, dec.lm_head(params, cfg, x_BWD), aux, spec)
+  return state.replace(cache=after.replace(tokens=None))
+
+
+def _waits_for_kappa(method, miss_B) -> bool:
+  """Whether a step chooses its κ_t from the real row and waits for that fetch (`_critical_path_group`): the
+  non-speculative ablation every step, exact_on_miss when some row's guesses all missed (miss_B, read on the host: numpy or a device array)."""
+  if not method.impl.fetches_on_critical_path(method):
+    return False
+  if not method.speculation.speculative:
+    return True
+  return miss_B is not None and bool(np.any(np.asarray(miss_B)))
 
 
 class OffloadRuntime:
@@ -172,7 +212,6 @@ class OffloadRuntime:
     self.states = None
     self.tokens = None           # [B, S] int32 ids of the stored tokens, for a method with lookup (history.py)
     self._stored = None          # numpy [B]: rows stored per batch row, counted on the host (no device sync)
-    self.timings = Timings()
     self._step_index = 0
 
   def _init(self):
@@ -219,13 +258,13 @@ class OffloadRuntime:
     self._guard(0, "prefill", logits)
     return logits
 
-  def _run_group(self, g, x, lengths_B, rope, rows, phase):
-    """Group g's layers in one call (states donated and replaced) -> x."""
+  def _run_group(self, g, x, lengths_B, rope, rows, phase, obs=None):
+    """Group g's layers in one call (states donated and replaced) -> (x, each layer's aux)."""
     layers = self.groups[g]
-    x, sts = _layers(self.group_params[g], x, lengths_B, rope, tuple(self.states[l] for l in layers), rows,
-                     cfg=self.cfg, method=self.method, phase=phase, layout=self.layout)
+    x, sts, auxes = _layers(self.group_params[g], x, lengths_B, rope, tuple(self.states[l] for l in layers), rows,
+                            obs, cfg=self.cfg, method=self.method, phase=phase, layout=self.layout)
     self.states[layers[0]:layers[-1] + 1] = sts
-    return x
+    return x, auxes
 
   def _fetch_group(self, g):
     """Issue the host gather + transfer of group g's κ rows (the states' current κ) -> a pending fetch."""
@@ -234,109 +273,91 @@ class OffloadRuntime:
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
     pending = []
-    if self.method.speculation.anchor_rows:                                          # κ_1 is T1's: its own anchor
-      self.states = list(_observe(tuple(self.states), None, self.tokens, lengths_B, first_B[:, None],
-                                  method=self.method))
+    obs = _predecode_observation(first_B, self.tokens, lengths_B, method=self.method)   # κ_1 is T1's (anchors)
     x, rope = _embed(self.params, first_B[:, None], lengths_B, cfg=self.cfg, method=self.method, phase="predecode")
     for g in range(len(self.groups)):
-      x = self._run_group(g, x, lengths_B, rope, None, "predecode")
+      x, _ = self._run_group(g, x, lengths_B, rope, None, "predecode", obs)
       pending.append(self._fetch_group(g))
     self._guard(1, "predecode", x)
     return x, pending
 
-  def _critical_path_group(self, g, x, lengths_B, rope, rows):
+  def _critical_path_group(self, g, x, lengths_B, rope, rows, obs):
     """Group g layer by layer, each choosing κ_t from the real row and fetching it before its attend."""
     kw = dict(cfg=self.cfg, method=self.method)
     rope_1 = jax.tree.map(lambda r: r[:, :1], rope)
+    auxes = []
     for i, l in enumerate(self.groups[g]):
-      st = self.states[l]
-      if rows is not None:
-        st = _with_fetched(st, st.kappa, rows[i])                        # the prefetched rows
+      st = _prepared(self.states[l], None if rows is None else rows[i], obs, method=self.method)
       kappa = _kappa_for_step(self.layer_params[l], x[:, :1], lengths_B, rope_1, st, **kw)
-      st = _with_fetched(st, kappa, self.store.fetch((l,), (kappa,)).result()[0])
-      x, (self.states[l],) = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, phase="decode",
-                                     layout=self.layout, **kw)
-    return x
+      st = _with_fetched(st, kappa, self.store.fetch((l,), (kappa,)).result()[0], method=self.method)
+      x, (self.states[l],), aux = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, None,
+                                          phase="decode", layout=self.layout, **kw)
+      auxes += aux
+    return x, tuple(auxes)
 
   def step(self, inp_BW, lengths_B, pending, miss_B=None):
-    """One decoding step over all layers; returns (x [B, W, D], next pending fetches, one per layer group).
-    lengths_B: the rows stored before this step (may stay on the device: which rings fill is counted on the host
-    from prefill's).
+    """One decoding step over all layers; returns (x [B, W, D], each layer's aux, next pending fetches, one per
+    layer group). lengths_B: the rows stored before this step (may stay on the device: which rings fill is
+    counted on the host from prefill's).
 
-    miss_B (numpy bool [B]): rows whose speculative token was wrong; with exact_on_miss they get the real
-    row's own top-k fetched synchronously instead of the prefetched rows."""
+    miss_B ([B] bool, numpy or on the device; None: not told): rows whose speculative guesses of inp's real token
+    were all wrong, for the method's speculation's `observe` hook; with exact_on_miss they get the real row's own
+    top-k fetched synchronously instead of the prefetched rows (whether any row missed is read on the host)."""
     method = self.method
-    spec = method.speculation
     self._step_index += 1
-    miss = jnp.asarray(miss_B) if spec.exact_on_miss and spec.speculative and miss_B is not None else None
-    if miss is not None or method.speculation.anchor_rows:
-      self.states = list(_observe(tuple(self.states), miss, self.tokens, lengths_B, inp_BW, method=method))
-    sync = spec.fetches_on_critical_path and (not spec.speculative or bool(np.any(miss_B)))
+    obs = _observation(None if miss_B is None else jnp.asarray(miss_B), self.tokens, lengths_B, inp_BW,
+                       method=method)
+    sync = _waits_for_kappa(method, miss_B)
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, method=self.method, phase="decode")
     if self.tokens is not None:                                          # the real row is stored at lengths
       self.tokens = _record(self.tokens, inp_BW, lengths_B)
     stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
     flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
-    nxt_pending = []
+    nxt_pending, auxes = [], ()
     for g, layers in enumerate(self.groups):
-      rows = pending[g].result() if spec.speculative else None           # κ_t prefetched during step t-1
+      rows = pending[g].result() if method.speculation.speculative else None   # κ_t prefetched during step t-1
       if sync:
-        x = self._critical_path_group(g, x, lengths_B, rope, rows)
+        x, aux = self._critical_path_group(g, x, lengths_B, rope, rows, obs)
       else:
-        x = self._run_group(g, x, lengths_B, rope, rows, "decode")
+        x, aux = self._run_group(g, x, lengths_B, rope, rows, "decode", obs)
+      auxes += aux
       if flushed.size:                                                   # rings just filled: R rows each
         for l in layers:
           st = self.states[l]
           self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
-      if spec.speculative:
+      if method.speculation.speculative:
         nxt_pending.append(self._fetch_group(g))                          # κ_{t+1}: overlaps groups g+1..
     self._stored = stored
     self._guard(self._step_index, "decode", x)
-    return x, nxt_pending
+    return x, auxes, nxt_pending
+
+  def begin(self, tokens_BT, lengths_B, rng, spec: decode.SamplingSpec, max_new_tokens: int):
+    """Prefill, the first token, the pre-decoding pass -> (`decode.DecodeState` before step 1, pending fetches).
+    The state's cache carries the lengths; the layer states, the host store and the ids are the runtime's."""
+    lengths = jnp.asarray(lengths_B, jnp.int32)
+    logits = self.prefill(jnp.asarray(tokens_BT), lengths)
+    first, rng = _first(logits, rng, spec)
+    x, pending = self.predecode(first, lengths) if self.method.speculation.predecodes else (None, None)
+    state = _begin(self.params, x, first, rng, spec, self.tokens, lengths, self.layer_params[0], self.states[0],
+                   cfg=self.cfg, method=self.method, max_new_tokens=max_new_tokens)
+    return state, pending
+
+  def advance(self, state: decode.DecodeState, pending, spec: decode.SamplingSpec):
+    """One decoding step (`step`) and its tail (`decode.finish_step`) -> (state, pending fetches). The state is
+    donated."""
+    miss = state.missed if self.method.speculation.width > 1 else None
+    x, auxes, pending = self.step(state.inp, state.cache.lengths, pending, miss)
+    return _finish(self.params, x, auxes, state, self.tokens, spec, cfg=self.cfg, method=self.method), pending
 
   def generate(self, tokens_BT, lengths_B, max_new_tokens: int, rng, temperature=0.0, top_p=1.0,
-               stop_tokens=(), pad_id=0) -> decode.GenerateOutput:
+               stop_tokens=(), pad_id=0, clock=None) -> decode.GenerateOutput:
+    """clock: a `clock.CallClock` to mark the first token (a wait for it; None: no wait)."""
     spec = decode.SamplingSpec.make(temperature, top_p, stop_tokens, pad_id)
-    method = self.method
-    lengths = jnp.asarray(lengths_B, jnp.int32)
-    t0 = time.perf_counter()
-    logits = self.prefill(jnp.asarray(tokens_BT), lengths)
-    rng, sub = jax.random.split(rng)
-    first = decode.sample(logits, sub, spec)
-    if method.speculation.predecodes:
-      x, pending = self.predecode(first, lengths)
-      head = _head(self.params, x, jnp.zeros_like(lengths), cfg=self.cfg)
-      inp = decode.first_input(method, first, decode.guesses(
-          method, head, decode.lookup_guess(method, self.tokens, lengths, first)))
-    else:
-      pending, inp = None, decode.first_input(method, first)
-    jax.block_until_ready(inp)
-    t1 = time.perf_counter()
-    out = [np.asarray(first)]
-    done = np.isin(out[0], spec.stop_tokens)
-    num = np.ones_like(out[0], dtype=np.int32)
-    spec_hits = spec_steps = 0.0
-    miss = None
+    state, pending = self.begin(tokens_BT, lengths_B, rng, spec, max_new_tokens)
+    if clock is not None:
+      clock.first_token(state.tokens)
     for _ in range(1, max_new_tokens):
-      if done.all():
+      if np.all(np.asarray(state.done)):                                   # the one sync of a step
         break
-      x, pending = self.step(inp, lengths, pending, miss)
-      rng, sub = jax.random.split(rng)
-      nxt, inp, hits, steps, missed = _sample_next(self.params, x, sub, inp, jnp.asarray(done), spec, self.tokens,
-                                                   lengths + 1, cfg=self.cfg, method=method)
-      nxt_np = np.asarray(nxt)                                              # the one sync of a step
-      miss = np.asarray(missed) if method.speculation.width > 1 else None
-      spec_hits += float(hits)
-      spec_steps += float(steps)
-      num += (~done).astype(np.int32)
-      out.append(nxt_np)
-      done = done | np.isin(nxt_np, spec.stop_tokens)
-      lengths = lengths + 1
-      self.timings.steps += 1
-    jax.block_until_ready(self.states)
-    t2 = time.perf_counter()
-    self.timings.prefill_s, self.timings.decode_s = t1 - t0, t2 - t1
-    tokens = np.full((self.batch, max_new_tokens), spec.pad_id, np.int32)
-    tokens[:, :len(out)] = np.stack(out, axis=1)
-    stats = {"spec_token_hits": np.float32(spec_hits), "spec_token_steps": np.float32(spec_steps)}
-    return decode.GenerateOutput(tokens=jnp.asarray(tokens), num_tokens=jnp.asarray(num), stats=stats)
+      state, pending = self.advance(state, pending, spec)
+    return decode.output(state)

@@ -5,6 +5,7 @@ must alias every cache buffer to its output and keep no second copy of the cache
 through a layer scan (the prefill path) does copy, which is what shows the check can fail.
 """
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 
 from experiments.lib.bench import throughput
 import specache_jax as sj
+from specache_jax import decode
 from specache_jax.arrays import tree_nbytes
 from specache_jax.model import decoder
 from tests.tiny import random_prompts, tiny_model
@@ -95,3 +97,27 @@ def test_rope_tables_are_computed_once_per_step(name):
                                            method=method).compile().as_text()
   n_cos = len(re.findall(r" cosine\(", text))
   assert model.config.n_layers >= 3 and n_cos == 1, f"{n_cos} cosine ops in the compiled step"
+
+
+@pytest.mark.parametrize("name", ["full", "specache"])
+def test_the_generate_loop_program_updates_the_prefilled_cache_in_place(name):
+  """`generate`'s decoding program (`decode.loop_jit`) takes the state `decode.start_jit` left, donated, and
+  returns it: XLA aliases every cache buffer to an output (the loop starts on the prefill's buffers, no copy on
+  entry), keeps no copy of one, and JAX reports no donated buffer it could not use."""
+  model = tiny_model(seed=3, head_dim=16, n_layers=3)
+  method = sj.cache_config(name, **METHODS[name])
+  toks, lens = sj.pad_prompts(random_prompts(1, [200, 170], model.config.vocab_size))
+  spec = decode.SamplingSpec.make()
+  kw = dict(cfg=model.config, method=method)
+  state = decode.start_jit(model.params, jnp.asarray(toks), jnp.asarray(lens), jax.random.key(0), spec,
+                           max_new_tokens=8, max_len=SLOTS, **kw)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")                         # "Some donated buffers were not usable"
+    compiled = decode.loop_jit.lower(model.params, state, spec, **kw).compile()
+  text = compiled.as_text()
+  cache_leaves = [a for a in jax.tree.leaves(state.cache.layers) if SLOTS in a.shape]
+  assert len(_aliased_params(text)) >= len(jax.tree.leaves(state))            # the whole state, cache included
+  shapes = {_hlo_shape(a.shape, str(a.dtype)) for a in cache_leaves}
+  copies = [line.strip()[:200] for line in text.splitlines()
+            if " copy(" in line and any(s in line.split(" copy(")[0] for s in shapes)]
+  assert not copies, "copies of cache buffers:\n" + "\n".join(copies)

@@ -145,11 +145,11 @@ CASES = [
 
 @pytest.mark.parametrize("call,error,message,via_generate", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_fails_clearly(tmp_path, call, error, message, via_generate):
-  compiled_before = decode.generate_jit._cache_size()
+  compiled_before = decode.start_jit._cache_size()
   with pytest.raises(error, match=message):
     call(tmp_path)
   if via_generate:                       # checked before anything was compiled
-    assert decode.generate_jit._cache_size() == compiled_before
+    assert decode.start_jit._cache_size() == compiled_before
 
 
 def test_valid_inputs_pass_every_check():

@@ -69,7 +69,7 @@ class RuntimeDriver:
     miss = np.asarray(missed) if self.method.speculation.exact_on_miss and missed is not None else None
     if miss is not None:
       self.miss_rows, self.seen_rows = self.miss_rows + int(miss.sum()), self.seen_rows + miss.size
-    x, pending = self.rt.step(inp, lengths, pending, miss)
+    x, _, pending = self.rt.step(inp, lengths, pending, miss)
     nxt, missed = greedy_next(self.params, x, inp, self.rt.tokens, lengths + 1, cfg=self.cfg, method=self.method)
     return nxt, lengths + 1, pending, missed
 
