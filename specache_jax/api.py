@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax import buckets as _buckets
 from specache_jax import clock, decode, guards, sharding, validation
+from specache_jax.buckets import BucketPolicy
 from specache_jax.caches import CacheConfig, cache_config
 from specache_jax.model.decoder import forward_full
 from specache_jax.runtime import OffloadRuntime
@@ -49,20 +51,23 @@ def forward(model, tokens, lengths=None):
 def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
              cache: CacheConfig | str | None = None, lengths: Sequence[int] | None = None, seed: int = 0,
              rng=None, stop_tokens: Sequence[int] | None = None, return_stats: bool = False, mesh=None,
-             check_numerics: bool = False):
+             check_numerics: bool = False, buckets: BucketPolicy | None = _buckets.DEFAULT):
   """Generate `max_new_tokens` per row. tokens: int [B, T] or a ragged list of token lists.
 
   cache: a method config (`cache_config(...)`) or a method name; default the 16-bit full cache.
   mesh: a ("data", "model") `jax.sharding.Mesh` (sharding.make_mesh): batch on data, heads on model.
   check_numerics: raise guards.NonFiniteError naming the step and layer where logits or cache entries first
     became NaN/Inf.
+  buckets: the shape buckets (`buckets.BucketPolicy`): the programs are compiled for the bucketed prompt width,
+    output width and cache slots, so a call whose lengths fall in a warm bucket compiles nothing (the padding
+    does not change the tokens); None compiles for the exact lengths.
   Returns decode.GenerateOutput (tokens [B, max_new_tokens]); with return_stats also a dict: the method's rates
   (`decode.summarize_stats`) and the call's timing (`clock.CallClock.stats`: wall_s, ttft_s, decode_s,
   decode_tokens_per_s, compile_s, compilations).
   """
   with clock.CallClock() if return_stats else contextlib.nullcontext() as timer:
     out = _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths, seed, rng, stop_tokens, mesh,
-                    check_numerics, timer)
+                    check_numerics, timer, buckets)
     if not return_stats:
       return out
     timer.stop(out)
@@ -71,8 +76,15 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
   return out, dict(stats, **timer.stats(new_tokens))
 
 
+def _trimmed(out, max_new_tokens: int):
+  """The output's tokens [B, max_new_tokens] of a bucketed buffer (sliced on the host: no program per width)."""
+  if out.tokens.shape[1] == max_new_tokens:
+    return out
+  return out.replace(tokens=jax.device_put(np.ascontiguousarray(np.asarray(out.tokens)[:, :max_new_tokens])))
+
+
 def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths, seed, rng, stop_tokens, mesh,
-              check_numerics, timer):
+              check_numerics, timer, policy):
   params, cfg = _model_parts(model)
   method = cache_config(cache) if isinstance(cache, str) else (cache or cache_config("full"))
   validation.check_prompt_values(tokens)
@@ -81,18 +93,19 @@ def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths,
     lens = np.asarray(lengths, np.int32)
   if stop_tokens is None:
     stop_tokens = tuple(cfg.eos_token_ids)
-  max_len = validation.check_generate(cfg, params, method, toks, lens, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, stop_tokens=stop_tokens, mesh=mesh)
+  max_len, shapes = validation.check_generate(cfg, params, method, toks, lens, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, top_p=top_p, stop_tokens=stop_tokens,
+                                              mesh=mesh, policy=policy)
   pad_id = int(stop_tokens[0]) if stop_tokens else 0
   if rng is None:
     rng = jax.random.key(seed)
-  width = -(-toks.shape[1] // 16) * 16
-  toks = np.pad(toks, ((0, 0), (0, width - toks.shape[1])))
+  toks = np.pad(toks, ((0, 0), (0, shapes.prompt_width - toks.shape[1])))
   stop_tokens = tuple(int(s) for s in stop_tokens)
   if method.offload:
     runtime = OffloadRuntime(params, cfg, method, toks.shape[0], max_len, prompt_len=toks.shape[1], mesh=mesh,
                              check_numerics=check_numerics)
-    return runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id, clock=timer)
+    return _trimmed(runtime.generate(toks, lens, max_new_tokens, rng, temperature, top_p, stop_tokens, pad_id,
+                                     clock=timer, out_width=shapes.out_width), max_new_tokens)
   if mesh is not None:
     params = sharding.shard_params(params, cfg, mesh)
     toks_d, lens_d = sharding.shard_batch(mesh, toks, lens)
@@ -101,8 +114,8 @@ def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths,
   spec = decode.SamplingSpec.make(temperature, top_p, stop_tokens, pad_id)
   out = decode.generate_jit(params, toks_d, lens_d, rng, spec, cfg=cfg, method=method,
                             max_new_tokens=max_new_tokens, max_len=max_len, mesh=mesh,
-                            check_numerics=check_numerics, clock=timer)
+                            check_numerics=check_numerics, clock=timer, out_width=shapes.out_width)
   if check_numerics:
     out, record = guards.pop_record(out)
     guards.raise_if_bad(record, cfg.n_layers)
-  return out
+  return _trimmed(out, max_new_tokens)

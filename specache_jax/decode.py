@@ -333,6 +333,7 @@ def _pin(mesh):
 def start_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig,
               max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False) -> DecodeState:
   """The first program: prefill, the first token, `start` -> the state before decoding step 1 (per-layer cache).
+  max_new_tokens: the output buffer's width (`loop_jit` may stop before it fills).
   mesh: a ("data", "model") Mesh to lay the cache out on (sharding.py; params arrive already sharded).
   check_numerics: carry guards' first-non-finite record."""
   b = tokens_BT.shape[0]
@@ -360,27 +361,36 @@ def start_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: Mod
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "mesh", "check_numerics"), donate_argnames=("state",))
-def loop_jit(params, state: DecodeState, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig, mesh=None,
-             check_numerics: bool = False) -> DecodeState:
-  """The second program: decoding steps until the output is full or every row is done. The state is donated
-  and returned (the cache too, so that XLA aliases it: the loop updates it in place, with no copy on entry)."""
+def loop_jit(params, state: DecodeState, spec: SamplingSpec, new_tokens=None, *, cfg: ModelConfig,
+             method: CacheConfig, mesh=None, check_numerics: bool = False) -> DecodeState:
+  """The second program: decoding steps until `new_tokens` (a traced int32 scalar: a new count compiles
+  nothing; None: the output's width) are out or every row is done. The state is donated and returned (the cache
+  too, so that XLA aliases it: the loop updates it in place, with no copy on entry)."""
   layer_params = decoder.unstack_params(params, cfg.n_layers)
   pin = _pin(mesh)
+  width = state.tokens.shape[1]
+  limit = width if new_tokens is None else jnp.minimum(jnp.asarray(new_tokens, jnp.int32), width)
   return jax.lax.while_loop(
-      lambda s: (s.step < s.tokens.shape[1]) & ~jnp.all(s.done),
+      lambda s: (s.step < limit) & ~jnp.all(s.done),
       lambda s: decode_step(layer_params, cfg, method, s, spec, pin, check_numerics), state)
 
 
 def generate_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: ModelConfig, method: CacheConfig,
                  max_new_tokens: int, max_len: int, mesh=None, check_numerics: bool = False,
-                 clock=None) -> GenerateOutput:
+                 clock=None, out_width: int | None = None) -> GenerateOutput:
   """The jitted path: `start_jit` then `loop_jit`. clock: a `clock.CallClock` to mark the first token (the
-  one wait between the programs; None: no wait). check_numerics: guards' record as stats[guards.RECORD_KEY]."""
+  one wait between the programs; None: no wait). check_numerics: guards' record as stats[guards.RECORD_KEY].
+  out_width: the output buffer's width (>= max_new_tokens; `buckets.plan`), which the programs are compiled
+  for; `max_new_tokens` is a traced loop bound. The output's tokens are [B, out_width], pad_id past
+  max_new_tokens."""
   kw = dict(cfg=cfg, method=method, mesh=mesh, check_numerics=check_numerics)
-  state = start_jit(params, tokens_BT, lengths_B, rng, spec, max_new_tokens=max_new_tokens, max_len=max_len, **kw)
+  width = max_new_tokens if out_width is None else out_width
+  if width < max_new_tokens:
+    raise ValueError(f"{out_width=} must be >= {max_new_tokens=}")
+  state = start_jit(params, tokens_BT, lengths_B, rng, spec, max_new_tokens=width, max_len=max_len, **kw)
   if clock is not None:
     clock.first_token(state.tokens)
-  return output(loop_jit(params, state, spec, **kw), check_numerics)
+  return output(loop_jit(params, state, spec, jnp.int32(max_new_tokens), **kw), check_numerics)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "mesh"))

@@ -350,10 +350,11 @@ class OffloadRuntime:
     return _finish(self.params, x, auxes, state, self.tokens, spec, cfg=self.cfg, method=self.method), pending
 
   def generate(self, tokens_BT, lengths_B, max_new_tokens: int, rng, temperature=0.0, top_p=1.0,
-               stop_tokens=(), pad_id=0, clock=None) -> decode.GenerateOutput:
-    """clock: a `clock.CallClock` to mark the first token (a wait for it; None: no wait)."""
+               stop_tokens=(), pad_id=0, clock=None, out_width=None) -> decode.GenerateOutput:
+    """clock: a `clock.CallClock` to mark the first token (a wait for it; None: no wait). out_width: the output
+    buffer's width (>= max_new_tokens, what the state's programs compile for: `buckets.plan`; None: exact)."""
     spec = decode.SamplingSpec.make(temperature, top_p, stop_tokens, pad_id)
-    state, pending = self.begin(tokens_BT, lengths_B, rng, spec, max_new_tokens)
+    state, pending = self.begin(tokens_BT, lengths_B, rng, spec, max(out_width or 0, max_new_tokens))
     if clock is not None:
       clock.first_token(state.tokens)
     for _ in range(1, max_new_tokens):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specache_jax import decode
+from specache_jax import buckets, decode
 from specache_jax.arrays import DTYPES
 from specache_jax.caches.base import CacheConfig
 from specache_jax.errors import ConfigError
@@ -157,18 +157,30 @@ def check_forward(cfg: ModelConfig, params, tokens_BT, lengths_B) -> None:
   check_tokens(cfg, tokens_BT, lengths_B)
 
 
+def check_buckets(policy) -> None:
+  if policy is not None and not isinstance(policy, buckets.BucketPolicy):
+    raise ConfigError(f"buckets={policy!r} must be a specache_jax.buckets.BucketPolicy or None (exact shapes)")
+  if policy is not None:
+    policy.__post_init__()
+
+
 def check_generate(cfg: ModelConfig, params, method, tokens_BT, lengths_B, *, max_new_tokens: int,
-                   temperature: float, top_p: float, stop_tokens=(), mesh=None) -> int:
-  """Everything `sj.generate` needs, in the order a user would fix it. Returns max_len (the cache slots)."""
+                   temperature: float, top_p: float, stop_tokens=(), mesh=None,
+                   policy: buckets.BucketPolicy | None = None) -> tuple[int, buckets.Shapes]:
+  """Everything `sj.generate` needs, in the order a user would fix it. Returns (max_len: the cache slots, the
+  compiled sizes: `buckets.plan` under `policy`; None: the exact lengths)."""
   check_model_config(cfg)
   if not isinstance(method, CacheConfig):
     raise ConfigError(f"cache={method!r} must be a cache method config from sj.cache_config(...) or a name")
   check_sampling(max_new_tokens, temperature, top_p)
   check_tokens(cfg, tokens_BT, lengths_B, max_new_tokens, method.speculation.width - 1)
   check_stop_tokens(cfg, stop_tokens)
-  max_len = decode.slots_for(int(np.max(lengths_B)) + max_new_tokens, method.speculation.width)
+  check_buckets(policy)
+  shapes = buckets.plan(policy, np.asarray(tokens_BT).shape[1], int(np.max(lengths_B)), max_new_tokens,
+                        cfg.max_position)
+  max_len = decode.slots_for(shapes.slot_tokens, method.speculation.width)
   check_cache_config(method, cfg, max_len)
   check_params(params, cfg)
   if mesh is not None:
     check_mesh(mesh, cfg, np.asarray(tokens_BT).shape[0])
-  return max_len
+  return max_len, shapes

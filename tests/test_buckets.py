@@ -1,0 +1,71 @@
+"""Shape buckets (specache_jax/buckets.py): a generate call whose prompt and generation lengths fall in a warm
+bucket compiles nothing, for every method, and the padding does not change the tokens."""
+import numpy as np
+import pytest
+
+import specache_jax as sj
+from specache_jax import buckets
+from specache_jax.errors import ConfigError
+from tests.tiny import random_prompts, tiny_model
+
+SMALL = dict(bits=1, group_size=8, residual=8, topk=4)
+METHODS = {
+    "full": lambda: sj.cache_config("full"),
+    "kivi": lambda: sj.cache_config("kivi", bits=2, group_size=8, residual=16),
+    "specache": lambda: sj.cache_config("specache", **SMALL),
+    "specache_offloaded": lambda: sj.cache_config("specache", offload=True, **SMALL),
+    "robust": lambda: sj.cache_config("specache", preset="robust", **dict(SMALL, topk=8)),
+    "robust_offloaded": lambda: sj.cache_config("specache", preset="robust", **dict(SMALL, topk=8), offload=True),
+    "streaming": lambda: sj.cache_config("streaming", budget=24),
+    "h2o": lambda: sj.cache_config("h2o", budget=24),
+}
+
+
+def test_the_default_buckets_are_powers_of_two_and_their_halves_past_the_floor():
+  policy = buckets.DEFAULT
+  assert [policy.bucket(n) for n in (1, 16, 17, 32, 33, 48, 49, 65, 97, 1000, 1010, 1024, 1025, 1537)] == \
+      [16, 16, 32, 32, 48, 48, 64, 96, 128, 1024, 1024, 1024, 1536, 2048]
+  for n in range(1, 3000, 7):                                    # the smallest bucket holding n, by brute force
+    sizes = {16} | {-(-int(2 ** k * r) // 16) * 16 for k in range(13) for r in (1.0, 1.5)}
+    assert policy.bucket(n) == min(s for s in sizes if s >= n), n
+  assert buckets.BucketPolicy(floor=64, ratios=(1.0,), quantum=1).bucket(65) == 128
+
+
+def test_the_plan_caps_the_buckets_at_the_context_but_never_below_the_call():
+  shapes = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=4096)
+  assert (shapes.prompt_width, shapes.out_width, shapes.slot_tokens) == (1024, 48, 1072)
+  capped = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=1050)
+  assert (capped.prompt_width, capped.slot_tokens) == (1024, 1050)
+  tight = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=1020)
+  assert (tight.prompt_width, tight.slot_tokens) == (1008, 1040)
+  exact = buckets.plan(None, 1000, 990, 40, max_position=4096)
+  assert (exact.prompt_width, exact.out_width, exact.slot_tokens) == (1008, 40, 1030)
+
+
+@pytest.mark.parametrize("bad", [dict(floor=0), dict(quantum=0), dict(ratios=()), dict(ratios=(2.0,))])
+def test_a_bad_policy_names_its_value(bad):
+  with pytest.raises(ConfigError, match=next(iter(bad))):
+    buckets.BucketPolicy(**bad)
+
+
+def test_generate_rejects_a_policy_of_the_wrong_type():
+  model = tiny_model(seed=1)
+  with pytest.raises(ConfigError, match="buckets="):
+    sj.generate(model, [[1, 2, 3]], max_new_tokens=2, buckets=64)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_new_length_in_a_warm_bucket_compiles_nothing_and_keeps_the_tokens(name):
+  model = tiny_model(seed=23, head_dim=16)
+  vocab = model.config.vocab_size
+  run = lambda prompts, new, **kw: sj.generate(model, prompts, max_new_tokens=new, cache=METHODS[name](),
+                                               stop_tokens=(), return_stats=True, **kw)
+  _, warm = run(random_prompts(5, [40, 29], vocab), 9)          # prompt width 48, output width 16
+  assert warm["compilations"] > 0
+  prompts = random_prompts(6, [45, 33], vocab)
+  out, stats = run(prompts, 12)                                   # the same buckets
+  assert stats["compilations"] == 0 and stats["compile_s"] == 0.0, stats
+  assert out.tokens.shape == (2, 12)
+  exact, _ = run(prompts, 12, buckets=None)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(exact.tokens))
+  np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(exact.num_tokens))
