@@ -99,6 +99,7 @@ def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths,
   pad_id = int(stop_tokens[0]) if stop_tokens else 0
   if rng is None:
     rng = jax.random.key(seed)
+  toks = toks[:, :shapes.prompt_width]                   # bucketed: cut to the longest row, then padded
   toks = np.pad(toks, ((0, 0), (0, shapes.prompt_width - toks.shape[1])))
   stop_tokens = tuple(int(s) for s in stop_tokens)
   if method.offload:

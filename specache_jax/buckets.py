@@ -1,15 +1,17 @@
 """Shape buckets: the lengths a generate call compiles for, so that nearby prompt and generation lengths reuse
 one compiled program.
 
-A call is compiled for three sizes: the prompt array's width (the prompt is right-padded to it; each row's
-length is a traced value, so the padding does not change the tokens), the output buffer's width (the number of
-new tokens is a traced loop bound; the buffer is sliced to `max_new_tokens` on the host) and the cache slots
-(`decode.slots_for` of the bucketed prompt width plus the bucketed output width). A `BucketPolicy` maps a
-length to its bucket: the smallest of `floor` and `2**k * r` (r in `ratios`) that holds it, rounded up to a
-multiple of `quantum`. The default, floor 16 and ratios (1, 1.5), gives 16, 32, 48, 64, 96, 128, 192, 256,
-384, 512, 768, 1024, 1536, 2048, ...: at most 50% padding (and at most 33% past 32 tokens), and about two
-programs per doubling of the length. `EXACT` (`buckets=None` in `sj.generate`) compiles for the lengths
-themselves (the prompt rounded to 16, the slots to `decode.SLOT_ROUNDING`).
+A call is compiled for three sizes: the prompt array's width (the prompt is cut to its longest row and
+right-padded to that row's bucket; each row's length is a traced value, so the padding does not change the
+tokens), the output buffer's width (the number of new tokens is a traced loop bound; the buffer is sliced to
+`max_new_tokens` on the host) and the cache slots (`decode.slots_for` of the bucketed prompt width plus the
+bucketed output width). A `BucketPolicy` maps a length to its bucket: the smallest of `floor` and `2**k * r`
+(r in the ratios) that holds it, rounded up to a multiple of `quantum`. The prompt's default ratios
+(1, 1.25, 1.5, 1.75) give 16, 32, 48, 64, 80, 96, 112, 128, 160, ..., 1024, 1280, 1536, 1792, 2048, ...: at
+most 25% padding past 64 tokens (the prefill's cost), four programs per doubling. The output's (1,) gives
+powers of two: a wider buffer costs no compute (the loop stops at `max_new_tokens`), only slots. `None`
+(`buckets=None` in `sj.generate`) compiles for the exact lengths (the prompt array rounded to 16, the slots
+to `decode.SLOT_ROUNDING`).
 """
 from __future__ import annotations
 
@@ -19,12 +21,19 @@ import math
 from specache_jax.errors import ConfigError
 
 
+def _check_ratios(name: str, ratios) -> None:
+  if not isinstance(ratios, tuple) or not ratios or any(not 1.0 <= float(r) < 2.0 for r in ratios):
+    raise ConfigError(f"{name}={ratios!r} must be a non-empty tuple of values in [1, 2) (bucket sizes 2**k * r)")
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPolicy:
-  """Lengths -> buckets: the smallest of `floor` and `2**k * r` (k >= 0, r in `ratios`) at least the length,
-  rounded up to a multiple of `quantum`."""
+  """Lengths -> buckets: the smallest of `floor` and `2**k * r` (k >= 0, r in the ratios: `prompt_ratios` for
+  the prompt's width, `new_token_ratios` for the output's) at least the length, rounded up to a multiple of
+  `quantum`."""
   floor: int = 16
-  ratios: tuple[float, ...] = (1.0, 1.5)
+  prompt_ratios: tuple[float, ...] = (1.0, 1.25, 1.5, 1.75)
+  new_token_ratios: tuple[float, ...] = (1.0,)
   quantum: int = 16
 
   def __post_init__(self):
@@ -32,18 +41,25 @@ class BucketPolicy:
       raise ConfigError(f"floor={self.floor!r} must be an int >= 1 (the smallest bucket)")
     if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
       raise ConfigError(f"quantum={self.quantum!r} must be an int >= 1 (buckets are multiples of it)")
-    if not self.ratios or any(not 1.0 <= float(r) < 2.0 for r in self.ratios):
-      raise ConfigError(f"ratios={self.ratios!r} must be a non-empty tuple of values in [1, 2) (bucket sizes "
-                        "2**k * r)")
+    _check_ratios("prompt_ratios", self.prompt_ratios)
+    _check_ratios("new_token_ratios", self.new_token_ratios)
 
-  def bucket(self, n: int) -> int:
-    """The bucket of a length n >= 1."""
+  def bucket(self, n: int, ratios: tuple[float, ...]) -> int:
+    """The bucket of a length n >= 1 under `ratios`."""
     if n <= self.floor:
       size = self.floor
     else:
       k = max(0, math.floor(math.log2(n)) - 1)
-      size = min(c for j in (k, k + 1, k + 2) for r in self.ratios if (c := math.ceil(2 ** j * r)) >= n)
+      size = min(c for j in (k, k + 1, k + 2) for r in ratios if (c := math.ceil(2 ** j * r)) >= n)
     return -(-size // self.quantum) * self.quantum
+
+  def prompt(self, n: int) -> int:
+    """The prompt width for a longest row of n tokens."""
+    return self.bucket(n, self.prompt_ratios)
+
+  def new_tokens(self, n: int) -> int:
+    """The output width for n new tokens."""
+    return self.bucket(n, self.new_token_ratios)
 
 
 DEFAULT = BucketPolicy()
@@ -60,12 +76,12 @@ class Shapes:
 
 def plan(policy: BucketPolicy | None, width: int, longest: int, new_tokens: int, max_position: int) -> Shapes:
   """The compiled sizes of a call whose prompt array is `width` wide, whose longest row is `longest` tokens and
-  which generates `new_tokens`. The bucketed slot need is capped at the model's context (`max_position`) but
-  never below what the call needs; the prompt width likewise."""
-  exact = -(-width // 16) * 16
+  which generates `new_tokens`. Bucketed, the prompt array is cut to `longest` and padded to its bucket, capped
+  at the model's context (`max_position`) but never below the longest row rounded to 16; the slot need
+  likewise. None: the array's width rounded to 16, the exact slot need."""
   if policy is None:
-    return Shapes(exact, new_tokens, longest + new_tokens)
-  prompt_width = max(exact, min(policy.bucket(width), max_position // 16 * 16))
-  out_width = policy.bucket(new_tokens)
+    return Shapes(-(-width // 16) * 16, new_tokens, longest + new_tokens)
+  prompt_width = max(-(-longest // 16) * 16, min(policy.prompt(longest), max_position // 16 * 16))
+  out_width = policy.new_tokens(new_tokens)
   slot_tokens = max(longest + new_tokens, min(prompt_width + out_width, max_position))
   return Shapes(prompt_width, out_width, slot_tokens)

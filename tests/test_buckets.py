@@ -1,5 +1,7 @@
 """Shape buckets (specache_jax/buckets.py): a generate call whose prompt and generation lengths fall in a warm
 bucket compiles nothing, for every method, and the padding does not change the tokens."""
+import math
+
 import numpy as np
 import pytest
 
@@ -21,19 +23,27 @@ METHODS = {
 }
 
 
-def test_the_default_buckets_are_powers_of_two_and_their_halves_past_the_floor():
+def _brute_force(n: int, ratios) -> int:
+  sizes = {16} | {-(-math.ceil(2 ** k * r) // 16) * 16 for k in range(14) for r in ratios}
+  return min(s for s in sizes if s >= n)
+
+
+def test_the_default_buckets_are_the_smallest_that_hold_the_length():
   policy = buckets.DEFAULT
-  assert [policy.bucket(n) for n in (1, 16, 17, 32, 33, 48, 49, 65, 97, 1000, 1010, 1024, 1025, 1537)] == \
-      [16, 16, 32, 32, 48, 48, 64, 96, 128, 1024, 1024, 1024, 1536, 2048]
-  for n in range(1, 3000, 7):                                    # the smallest bucket holding n, by brute force
-    sizes = {16} | {-(-int(2 ** k * r) // 16) * 16 for k in range(13) for r in (1.0, 1.5)}
-    assert policy.bucket(n) == min(s for s in sizes if s >= n), n
-  assert buckets.BucketPolicy(floor=64, ratios=(1.0,), quantum=1).bucket(65) == 128
+  assert [policy.prompt(n) for n in (1, 16, 17, 33, 49, 65, 97, 1000, 1010, 1024, 1025, 1100, 1537)] == \
+      [16, 16, 32, 48, 64, 80, 112, 1024, 1024, 1024, 1280, 1280, 1792]
+  assert [policy.new_tokens(n) for n in (1, 9, 17, 32, 33, 40, 64, 65)] == [16, 16, 32, 32, 64, 64, 64, 128]
+  for n in range(1, 5000, 7):
+    assert policy.prompt(n) == _brute_force(n, policy.prompt_ratios), n
+    assert policy.new_tokens(n) == _brute_force(n, policy.new_token_ratios), n
+  assert buckets.BucketPolicy(floor=64, quantum=1).bucket(65, (1.0,)) == 128
 
 
-def test_the_plan_caps_the_buckets_at_the_context_but_never_below_the_call():
+def test_the_plan_cuts_the_prompt_to_its_longest_row_and_caps_the_buckets_at_the_context():
   shapes = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=4096)
-  assert (shapes.prompt_width, shapes.out_width, shapes.slot_tokens) == (1024, 48, 1072)
+  assert (shapes.prompt_width, shapes.out_width, shapes.slot_tokens) == (1024, 64, 1088)
+  wide = buckets.plan(buckets.DEFAULT, 4224, 1000, 40, max_position=8192)     # an array padded past its rows
+  assert wide.prompt_width == 1024
   capped = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=1050)
   assert (capped.prompt_width, capped.slot_tokens) == (1024, 1050)
   tight = buckets.plan(buckets.DEFAULT, 1000, 1000, 40, max_position=1020)
@@ -42,7 +52,8 @@ def test_the_plan_caps_the_buckets_at_the_context_but_never_below_the_call():
   assert (exact.prompt_width, exact.out_width, exact.slot_tokens) == (1008, 40, 1030)
 
 
-@pytest.mark.parametrize("bad", [dict(floor=0), dict(quantum=0), dict(ratios=()), dict(ratios=(2.0,))])
+@pytest.mark.parametrize("bad", [dict(floor=0), dict(quantum=0), dict(prompt_ratios=()),
+                                 dict(new_token_ratios=(2.0,))])
 def test_a_bad_policy_names_its_value(bad):
   with pytest.raises(ConfigError, match=next(iter(bad))):
     buckets.BucketPolicy(**bad)
