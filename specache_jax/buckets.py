@@ -8,8 +8,9 @@ tokens), the output buffer's width (the number of new tokens is a traced loop bo
 bucketed output width). A `BucketPolicy` maps a length to its bucket: the smallest of `floor` and `2**k * r`
 (r in the ratios) that holds it, rounded up to a multiple of `quantum`. The prompt's default ratios
 (1, 1.25, 1.5, 1.75) give 16, 32, 48, 64, 80, 96, 112, 128, 160, ..., 1024, 1280, 1536, 1792, 2048, ...: at
-most 25% padding past 64 tokens (the prefill's cost), four programs per doubling. The output's (1,) gives
-powers of two: a wider buffer costs no compute (the loop stops at `max_new_tokens`), only slots. `None`
+most 25% padding past 64 tokens (the prefill's cost), four programs per doubling. The output's (1,) above 64 gives
+64, 128, 256, ...: a wider buffer costs no compute (the loop stops at `max_new_tokens`), only cache slots
+(`decode.SLOT_ROUNDING` rounds them to 128 anyway). `None`
 (`buckets=None` in `sj.generate`) compiles for the exact lengths (the prompt array rounded to 16, the slots
 to `decode.SLOT_ROUNDING`).
 """
@@ -28,26 +29,31 @@ def _check_ratios(name: str, ratios) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class BucketPolicy:
-  """Lengths -> buckets: the smallest of `floor` and `2**k * r` (k >= 0, r in the ratios: `prompt_ratios` for
-  the prompt's width, `new_token_ratios` for the output's) at least the length, rounded up to a multiple of
-  `quantum`."""
+  """Lengths -> buckets: the smallest of the floor and `2**k * r` (k >= 0, r in the ratios) at least the
+  length, rounded up to a multiple of `quantum`: `floor` and `prompt_ratios` for the prompt's width,
+  `new_token_floor` and `new_token_ratios` for the output's."""
   floor: int = 16
   prompt_ratios: tuple[float, ...] = (1.0, 1.25, 1.5, 1.75)
   new_token_ratios: tuple[float, ...] = (1.0,)
+  new_token_floor: int = 64
   quantum: int = 16
 
   def __post_init__(self):
     if isinstance(self.floor, bool) or not isinstance(self.floor, int) or self.floor < 1:
       raise ConfigError(f"floor={self.floor!r} must be an int >= 1 (the smallest bucket)")
-    if isinstance(self.quantum, bool) or not isinstance(self.quantum, int) or self.quantum < 1:
-      raise ConfigError(f"quantum={self.quantum!r} must be an int >= 1 (buckets are multiples of it)")
+    for name in ("new_token_floor", "quantum"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an int >= 1 (the smallest output width; buckets are "
+                          "multiples of quantum)")
     _check_ratios("prompt_ratios", self.prompt_ratios)
     _check_ratios("new_token_ratios", self.new_token_ratios)
 
-  def bucket(self, n: int, ratios: tuple[float, ...]) -> int:
-    """The bucket of a length n >= 1 under `ratios`."""
-    if n <= self.floor:
-      size = self.floor
+  def bucket(self, n: int, ratios: tuple[float, ...], floor: int | None = None) -> int:
+    """The bucket of a length n >= 1 under `ratios` (floor: `floor` unless given)."""
+    floor = self.floor if floor is None else floor
+    if n <= floor:
+      size = floor
     else:
       k = max(0, math.floor(math.log2(n)) - 1)
       size = min(c for j in (k, k + 1, k + 2) for r in ratios if (c := math.ceil(2 ** j * r)) >= n)
@@ -59,7 +65,7 @@ class BucketPolicy:
 
   def new_tokens(self, n: int) -> int:
     """The output width for n new tokens."""
-    return self.bucket(n, self.new_token_ratios)
+    return self.bucket(n, self.new_token_ratios, self.new_token_floor)
 
 
 DEFAULT = BucketPolicy()

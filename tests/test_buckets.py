@@ -23,19 +23,19 @@ METHODS = {
 }
 
 
-def _brute_force(n: int, ratios) -> int:
-  sizes = {16} | {-(-math.ceil(2 ** k * r) // 16) * 16 for k in range(14) for r in ratios}
-  return min(s for s in sizes if s >= n)
+def _brute_force(n: int, ratios, floor: int = 16) -> int:
+  sizes = {floor} | {-(-math.ceil(2 ** k * r) // 16) * 16 for k in range(14) for r in ratios}
+  return min(s for s in sizes if s >= n and s >= floor)
 
 
 def test_the_default_buckets_are_the_smallest_that_hold_the_length():
   policy = buckets.DEFAULT
   assert [policy.prompt(n) for n in (1, 16, 17, 33, 49, 65, 97, 1000, 1010, 1024, 1025, 1100, 1537)] == \
       [16, 16, 32, 48, 64, 80, 112, 1024, 1024, 1024, 1280, 1280, 1792]
-  assert [policy.new_tokens(n) for n in (1, 9, 17, 32, 33, 40, 64, 65)] == [16, 16, 32, 32, 64, 64, 64, 128]
+  assert [policy.new_tokens(n) for n in (1, 9, 17, 32, 33, 40, 64, 65, 200)] == [64] * 7 + [128, 256]
   for n in range(1, 5000, 7):
     assert policy.prompt(n) == _brute_force(n, policy.prompt_ratios), n
-    assert policy.new_tokens(n) == _brute_force(n, policy.new_token_ratios), n
+    assert policy.new_tokens(n) == _brute_force(n, policy.new_token_ratios, 64), n
   assert buckets.BucketPolicy(floor=64, quantum=1).bucket(65, (1.0,)) == 128
 
 
@@ -53,7 +53,8 @@ def test_the_plan_cuts_the_prompt_to_its_longest_row_and_caps_the_buckets_at_the
 
 
 @pytest.mark.parametrize("bad", [dict(floor=0), dict(quantum=0), dict(prompt_ratios=()),
-                                 dict(new_token_ratios=(2.0,))])
+                                 dict(new_token_ratios=(2.0,)),
+                                 dict(new_token_floor=0)])
 def test_a_bad_policy_names_its_value(bad):
   with pytest.raises(ConfigError, match=next(iter(bad))):
     buckets.BucketPolicy(**bad)
@@ -71,7 +72,7 @@ def test_a_new_length_in_a_warm_bucket_compiles_nothing_and_keeps_the_tokens(nam
   vocab = model.config.vocab_size
   run = lambda prompts, new, **kw: sj.generate(model, prompts, max_new_tokens=new, cache=METHODS[name](),
                                                stop_tokens=(), return_stats=True, **kw)
-  _, warm = run(random_prompts(5, [40, 29], vocab), 9)          # prompt width 48, output width 16
+  _, warm = run(random_prompts(5, [40, 29], vocab), 9)          # prompt width 48, output width 64
   assert warm["compilations"] > 0
   prompts = random_prompts(6, [45, 33], vocab)
   out, stats = run(prompts, 12)                                   # the same buckets

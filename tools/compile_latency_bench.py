@@ -101,6 +101,10 @@ def main() -> None:
     for policy, run in runs.items():
       print(method, policy, [(r["call"], round(r["wall_s"], 2), r["compilations"]) for r in run["rows"]],
             flush=True)
+    _write(args, results, load_start)                 # after each method: a long run keeps what it measured
+
+
+def _write(args, results, load_start) -> None:
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
   lines = [
