@@ -8,6 +8,7 @@
 # version, requirements.txt or the test pins below change, or when an earlier build did not finish.
 #
 #   bash tools/test_jax011.sh                      # kernels, export, offload, decoding, sharding, the install test
+#   bash tools/test_jax011.sh --durations=20       # the same with pytest options (no argument starting with tests)
 #   bash tools/test_jax011.sh tests                # the whole suite
 #   PY312=/path/to/python3.12 bash tools/test_jax011.sh ...   # another Python 3.12 (default: pyenv's)
 #   JAX011_WORKERS=0 bash tools/test_jax011.sh ...            # pytest-xdist workers (default 2)
@@ -46,9 +47,12 @@ if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
 fi
 "$VENV/bin/python" -m specache_jax.assets install >/dev/null
 "$VENV/bin/python" -c "import jax; print('jax', jax.__version__, jax.default_backend())"
-if [ $# -eq 0 ]; then
-  set -- tests/test_kernels_lowering.py tests/test_kernels_mixed_attention.py tests/test_kernels_quant_scores.py \
+NAMES_TESTS=0
+for arg in "$@"; do [[ $arg != tests* ]] || NAMES_TESTS=1; done
+if [ "$NAMES_TESTS" = 0 ]; then          # no test path given (only options, or nothing): the default subset
+  set -- "$@" tests/test_kernels_lowering.py tests/test_kernels_mixed_attention.py tests/test_kernels_quant_scores.py \
       tests/test_kernels_tpu.py tests/test_offload.py tests/test_decoder.py tests/test_sharding.py \
       tests/test_jax_range.py
+  [ ! -f tests/test_export.py ] || set -- "$@" tests/test_export.py     # experiments/export.py's test (issue 43)
 fi
 exec "$VENV/bin/python" -m pytest -q -n "${JAX011_WORKERS:-2}" "$@"
