@@ -24,7 +24,7 @@ WHEELS = pathlib.Path(sys.prefix) / "wheels"
 INSTALL_TIMEOUT_S = 600
 
 _CHECK = r"""
-import json, jax, jaxlib, specache_jax, pallas_kernels, configs
+import json, jax, jaxlib, specache_jax, pallas_kernels
 from importlib import metadata
 print("RESULT " + json.dumps({
     "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jax_file": jax.__file__,
