@@ -35,11 +35,11 @@ if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$STAMP" ]; then
   "$PY312" -m venv "$VENV"
   LOG=$VENV/build.log
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-  {
-    "${PIP[@]}" install --upgrade pip
-    "${PIP[@]}" download --no-deps --only-binary=:all: -d "$VENV/wheels" "jax==$JAX" "jaxlib==$JAX" "setuptools>=69"
-    grep -v -E "^(jax|jaxlib)==|^#|^$" requirements.txt > "$VENV/requirements-jax011.txt"
-    "${PIP[@]}" install "$VENV"/wheels/*.whl -r "$VENV/requirements-jax011.txt" "${TEST_PINS[@]}"
+  grep -v -E "^(jax|jaxlib)==|^#|^$" requirements.txt > "$VENV/requirements-jax011.txt"
+  {     # `set -e` does not apply left of `||`: each step is chained with `&&`
+    "${PIP[@]}" install --upgrade pip &&
+    "${PIP[@]}" download --no-deps --only-binary=:all: -d "$VENV/wheels" "jax==$JAX" "jaxlib==$JAX" "setuptools>=69" &&
+    "${PIP[@]}" install "$VENV"/wheels/*.whl -r "$VENV/requirements-jax011.txt" "${TEST_PINS[@]}" &&
     "${PIP[@]}" install --no-deps --no-build-isolation -e .
   } >"$LOG" 2>&1 || { rc=$?; tail -40 "$LOG" >&2; echo "building $VENV failed (exit status $rc)" >&2; exit "$rc"; }
   echo "$STAMP" > "$VENV/.complete"
