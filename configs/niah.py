@@ -35,6 +35,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss, and
   # SpeCache 1-bit with the robust preset (docs/speculation.md).
   c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom,specache_1bit_robust"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/niah
   # (written with --config.output_dir=results/niah).
   c.output_dir = "runs/niah"        # results.json (resumable cells), summary.md, heatmap_<method>.png

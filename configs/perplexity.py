@@ -35,6 +35,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),
                    specache_2bit_oracle=dict(methods.standard()["specache_2bit"], spec_row="text"))
   c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.output_dir = "runs/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
   if arg == "long":                 # SmolLM2's whole 8k context on this CPU: 20–40 min per method

@@ -37,6 +37,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   # Labels run, in order: the 16-bit reference, KIVI 1/2-bit (g64, R128), SpeCache 1/2-bit (g64, R64, k64),
   # SpeCache 1-bit with exact_on_miss, StreamingLLM and H2O sized to SpeCache 1-bit's device bytes.
   c.run_methods = ("full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_eom,streaming,h2o")
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/ruler
   # (written with --config.output_dir=results/ruler).
   c.output_dir = "runs/ruler"       # results.json (resumable cells), summary.md, heatmap.png
