@@ -12,6 +12,9 @@ Axis letters as in docs/design.md.
 """
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -22,12 +25,60 @@ from specache_jax.model_config import ModelConfig
 AXES = ("data", "model")
 
 
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+HEARTBEAT_TIMEOUT_S = 30       # a process silent this long is dead: the others stop with an error, not a hang
+SHUTDOWN_TIMEOUT_S = 30        # the wait at exit for every process to reach the shutdown barrier
+_at_exit = weakref.WeakSet()   # objects whose close() runs before jax.distributed.shutdown (host stores' workers)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+                           shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S, initialization_timeout_s: int = 120) -> None:
+  """Join JAX's multi-process runtime (call before any jax op). Unset arguments come from
+  $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID (read by jax) or a cluster jax detects.
+  Bounded: a process missing heartbeats for `heartbeat_timeout_s` fails the others' next collective or barrier
+  with an error, and at exit `shutdown_distributed` runs (host stores closed first, then the shutdown barrier,
+  at most `shutdown_timeout_s`), so the processes leave without an abort."""
+  for name, value in (("num_processes", num_processes), ("process_id", process_id)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+      raise ValueError(f"{name}={value!r} must be an integer >= 0")
+  if num_processes is not None and process_id is not None and process_id >= num_processes:
+    raise ValueError(f"process_id={process_id} must be < num_processes={num_processes}")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                             initialization_timeout=initialization_timeout_s,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s,
+                             shutdown_timeout_seconds=shutdown_timeout_s)
+  atexit.register(shutdown_distributed)
+
+
+def close_at_shutdown(obj) -> None:
+  """Run `obj.close()` (a host store's: it stops the store's worker) before the multi-process runtime shuts
+  down, if obj is still alive then: a worker thread still holding device arrays when the distributed client
+  goes away aborts the process."""
+  _at_exit.add(obj)
+
+
+def shutdown_distributed() -> None:
+  """Close what `close_at_shutdown` registered and is alive, then `jax.distributed.shutdown()`."""
+  for obj in list(_at_exit):
+    try:
+      obj.close()
+    except Exception:                       # noqa: BLE001 (a failing close must not skip the shutdown)
+      pass
+  _at_exit.clear()
+  jax.distributed.shutdown()
+
+
 def maybe_initialize_distributed(flag: bool, **kwargs) -> bool:
-  """Multi-host: call `jax.distributed.initialize(**kwargs)` when `flag` (launchers, before any jax op)."""
+  """Launchers: `initialize_distributed(**kwargs)` when `flag` (before any jax op)."""
   if not flag:
     return False
-  jax.distributed.initialize(**kwargs)
+  initialize_distributed(**kwargs)
   return True
+
+
+def is_multiprocess() -> bool:
+  return jax.process_count() > 1
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
@@ -42,6 +93,14 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
                      f"are available ({devices[0].platform if devices else 'none'})")
   return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
                        devices=devices[:need])
+
+
+def first_local_device(mesh: Mesh):
+  """The mesh's first device of this process (per-device queries such as memory stats need an addressable one)."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not local:
+    raise ValueError(f"the mesh {dict(mesh.shape)} holds no device of process {jax.process_index()}")
+  return local[0]
 
 
 def param_specs(cfg: ModelConfig) -> dict:
