@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specache_jax import sharding
+from specache_jax import multiprocess, sharding
 from specache_jax.arrays import Ready, tree_nbytes
 from specache_jax.caches.attention import PrefillBlocks
 from specache_jax.caches.specache import HOST_STORES
@@ -512,7 +512,7 @@ def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=
     if kind == "pinned_host":
       return MeshPinnedHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
     store = MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
-    sharding.close_at_shutdown(store)
+    multiprocess.close_at_shutdown(store)
     return store
   device = device or jax.local_devices()[0]
   if kind == "pinned_host":

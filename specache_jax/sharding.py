@@ -12,68 +12,22 @@ Axis letters as in docs/design.md.
 """
 from __future__ import annotations
 
-import atexit
-import weakref
-
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specache_jax import multiprocess
 from specache_jax.caches.base import Cache
 from specache_jax.model_config import ModelConfig
 
 AXES = ("data", "model")
 
 
-DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-HEARTBEAT_TIMEOUT_S = 30       # a process silent this long is dead: the others stop with an error, not a hang
-SHUTDOWN_TIMEOUT_S = 30        # the wait at exit for every process to reach the shutdown barrier
-_at_exit = weakref.WeakSet()   # objects whose close() runs before jax.distributed.shutdown (host stores' workers)
-
-
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
-                           shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S, initialization_timeout_s: int = 120) -> None:
-  """Join JAX's multi-process runtime (call before any jax op). Unset arguments come from
-  $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID (read by jax) or a cluster jax detects.
-  Bounded: a process missing heartbeats for `heartbeat_timeout_s` fails the others' next collective or barrier
-  with an error, and at exit `shutdown_distributed` runs (host stores closed first, then the shutdown barrier,
-  at most `shutdown_timeout_s`), so the processes leave without an abort."""
-  for name, value in (("num_processes", num_processes), ("process_id", process_id)):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-      raise ValueError(f"{name}={value!r} must be an integer >= 0")
-  if num_processes is not None and process_id is not None and process_id >= num_processes:
-    raise ValueError(f"process_id={process_id} must be < num_processes={num_processes}")
-  jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                             initialization_timeout=initialization_timeout_s,
-                             heartbeat_timeout_seconds=heartbeat_timeout_s,
-                             shutdown_timeout_seconds=shutdown_timeout_s)
-  atexit.register(shutdown_distributed)
-
-
-def close_at_shutdown(obj) -> None:
-  """Run `obj.close()` (a host store's: it stops the store's worker) before the multi-process runtime shuts
-  down, if obj is still alive then: a worker thread still holding device arrays when the distributed client
-  goes away aborts the process."""
-  _at_exit.add(obj)
-
-
-def shutdown_distributed() -> None:
-  """Close what `close_at_shutdown` registered and is alive, then `jax.distributed.shutdown()`."""
-  for obj in list(_at_exit):
-    try:
-      obj.close()
-    except Exception:                       # noqa: BLE001 (a failing close must not skip the shutdown)
-      pass
-  _at_exit.clear()
-  jax.distributed.shutdown()
-
-
 def maybe_initialize_distributed(flag: bool, **kwargs) -> bool:
-  """Launchers: `initialize_distributed(**kwargs)` when `flag` (before any jax op)."""
+  """Launchers: `multiprocess.initialize(**kwargs)` when `flag` (before any jax op)."""
   if not flag:
     return False
-  initialize_distributed(**kwargs)
+  multiprocess.initialize(**kwargs)
   return True
 
 

@@ -2,9 +2,10 @@
 over loopback with 2 CPU devices, lays a (data=2, model=2) mesh over every process's devices so that both axes
 cross processes, generates with each method named and prints (process 0) one `TOKENS name [[...]]` line each.
 
-  multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID METHOD[,METHOD...] [--fail]
+  multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID METHOD[,METHOD...] [--fail=P]
 
---fail: process 1 raises before generating, the others go on (the test checks they stop with an error)."""
+--fail=P: process P raises before generating, the others go on (the test checks that they stop with an error)."""
+import faulthandler
 import json
 import sys
 
@@ -13,9 +14,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-from specache_jax import sharding  # noqa: E402
+from specache_jax import multiprocess, sharding  # noqa: E402
 
-FAIL_MESSAGE = "process 1 fails on purpose"
+DEADLINE_S = 280                # under the test's bound: a hang prints its threads and ends
+FAIL_MESSAGE = "fails on purpose"
 
 
 def crossed_devices():
@@ -30,7 +32,8 @@ def crossed_devices():
 
 def main(argv):
   port, n, pid, names = argv[:4]
-  sharding.initialize_distributed(coordinator_address=f"127.0.0.1:{port}", num_processes=int(n),
+  faulthandler.dump_traceback_later(DEADLINE_S, exit=True)    # a hang shows where, and ends
+  multiprocess.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(n),
                                   process_id=int(pid), heartbeat_timeout_s=10, shutdown_timeout_s=20)
   import numpy as np
   import specache_jax as sj
@@ -40,7 +43,7 @@ def main(argv):
   mesh = sharding.make_mesh(2, 2, devices=crossed_devices())
   if int(pid) == 0:
     print("LAYOUT " + json.dumps([[d.process_index for d in row] for row in mesh.devices]), flush=True)
-  if "--fail" in argv and int(pid) == 1:
+  if f"--fail={pid}" in argv:
     raise RuntimeError(FAIL_MESSAGE)
   for name in names.split(","):
     method, settings = METHODS[name]
