@@ -28,13 +28,18 @@ def _free_port() -> int:
 
 
 def _launch(names: str, *extra: str):
-  """Both processes, to the end (killed past BOUND_S) -> ([(returncode, stdout, stderr)], seconds)."""
+  """Both worker processes -> [(returncode, stdout, stderr)]."""
+  return _run_processes(lambda port, i: ["tests.multiprocess_worker", str(port), "2", str(i), names, *extra])
+
+
+def _run_processes(args, env_extra=()):
+  """`python -m <args(port, i)>` for i = 0, 1, to the end (killed past BOUND_S) -> [(returncode, stdout,
+  stderr)]."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_backend_optimization_level=0")     # not conftest's 8 forced devices
+             XLA_FLAGS="--xla_backend_optimization_level=0", **dict(env_extra))   # not conftest's 8 devices
   port, t0 = _free_port(), time.monotonic()
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_worker", str(port), "2", str(i), names,
-                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True) for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, "-m", *args(port, i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
   results = []
   for p in procs:
     try:
@@ -46,7 +51,7 @@ def _launch(names: str, *extra: str):
       out, err = p.communicate()
       pytest.fail(f"the processes ran past {BOUND_S} s:\n{err[-3000:]}")
     results.append((p.returncode, out, err))
-  return results, time.monotonic() - t0
+  return results
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +63,7 @@ def _one_process(name: str) -> list:
 
 
 def test_two_processes_give_the_one_process_tokens_and_exit_cleanly():
-  (r0, r1), _ = _launch(",".join(METHODS))
+  r0, r1 = _launch(",".join(METHODS))
   for i, (code, _, err) in enumerate((r0, r1)):
     assert code == 0, f"process {i} exited with {code}:\n{err[-3000:]}"
   lines = dict(line.split(" ", 1) for line in r0[1].splitlines() if line.startswith(("LAYOUT", "TOKENS")))
@@ -72,10 +77,32 @@ def test_two_processes_give_the_one_process_tokens_and_exit_cleanly():
 
 @pytest.mark.parametrize("failing", [1, 0])
 def test_a_failing_process_stops_the_other_with_its_error(failing):
-  results, _ = _launch("full", f"--fail={failing}")
+  results = _launch("full", f"--fail={failing}")
   other = 1 - failing
   assert results[failing][0] == 1 and "RuntimeError: fails on purpose" in results[failing][2]
   code, _, err = results[other]
   assert code == 1, f"process {other} exited with {code} (-6: aborted):\n{err[-3000:]}"
   assert f"stopping: process {failing} failed: RuntimeError: fails on purpose" in err
   assert "Terminating process" not in err + results[failing][2]        # neither was aborted by JAX
+
+
+def test_the_niah_sweep_with_distributed_writes_the_one_process_results(tmp_path):
+  """experiments.niah :test with --distributed over 2 processes on a (2, 2) mesh: process 0 writes the result
+  file, the same cells as one process writes (timing aside); process 1 writes nothing of its own."""
+  from configs import niah as niah_cfg
+  from experiments.lib import models, niah
+  one, two = tmp_path / "one", tmp_path / "two"
+  cfg = niah_cfg.get_config("test")
+  cfg.output_dir = str(one)
+  niah.run(cfg, model=models.load("tiny-random"), log=lambda *_: None)
+  results = _run_processes(lambda port, i: [
+      "experiments.niah", "--config=configs/niah.py:test", f"--config.output_dir={two}", "--mesh=2,2",
+      "--distributed", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      env_extra={"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"})
+  for i, (code, _, err) in enumerate(results):
+    assert code == 0, f"process {i} exited with {code}:\n{err[-3000:]}"
+  assert "written to" in results[0][1] and results[1][1].strip() == ""
+  cells = lambda out: {c: {k: v for k, v in rec.items() if k not in ("batch_seconds", "run_id")}
+                       for c, rec in json.loads((out / "results.json").read_text(encoding="utf-8"))["cells"].items()}
+  assert cells(two) == cells(one)
+  assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
