@@ -419,31 +419,15 @@ class MeshPinnedHostStore(_MeshPlacement, PinnedHostStore):
     self.v = [jax.device_put(np.zeros(shape, dtype), self.host) for _ in range(n_layers)]
 
 
-def _local_block(x, b: slice, k: slice, k_axis: int) -> np.ndarray:
-  """Rows b, KV heads k (on axis k_axis, B on axis 0) of a (sharded) jax or numpy array, read from a shard of
-  this process that holds them: never a cross-process transfer."""
-  if isinstance(x, np.ndarray):
-    return x[(b,) + (slice(None),) * (k_axis - 1) + (k,)]
-  for shard in x.addressable_shards:
-    sb, sk = shard.index[0], shard.index[k_axis]
-    b0, b1, _ = sb.indices(x.shape[0])
-    k0, k1, _ = sk.indices(x.shape[k_axis])
-    if b0 <= b.start and b.stop <= b1 and k0 <= k.start and k.stop <= k1:
-      local = (slice(b.start - b0, b.stop - b0),) + (slice(None),) * (k_axis - 1) + \
-          (slice(k.start - k0, k.stop - k0),)
-      return np.asarray(shard.data)[local]
-  raise ValueError(f"no shard of this process holds rows {b} and KV heads {k} of an array of shape {x.shape} "
-                   f"laid out as {x.sharding}: the host store needs the cache's (data, model) layout")
-
-
 class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
   """NumpyHostStore on a mesh: this process's RAM holds only its devices' blocks (rows on data x KV heads on
   model, one buffer per addressable device), written from the local shards and gathered per device into one
   [G, 2, B, K, X, H] array sharded on (data, model): nothing crosses processes."""
 
   def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s: float | None = None):
+    NumpyHostStore.__init__(self, n_layers, 0, n_kv, slots, head_dim, dtype, sharding.first_local_device(mesh),
+                            fetch_timeout_s)          # its worker, and no rows: the blocks below hold them
     self._place(mesh)
-    self.on_device_kv = NamedSharding(mesh, P(None, None, "data", "model", None, None), memory_kind="device")
     self.global_shape = (batch, n_kv, slots, head_dim)
     index = self.on_device.addressable_devices_indices_map(self.global_shape)
     self.shards = []                   # (device, rows slice, KV heads slice, [L, 2, b, k, S, H] buffer)
@@ -451,9 +435,6 @@ class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
       b, k = (slice(*sl.indices(n)[:2]) for sl, n in zip(idx[:2], (batch, n_kv)))
       shape = (n_layers, 2, b.stop - b.start, k.stop - k.start, slots, head_dim)
       self.shards.append((device, b, k, np.zeros(shape, jnp.dtype(dtype))))
-    self.fetch_timeout_s = resolve_fetch_timeout(fetch_timeout_s)
-    self._worker = Worker("kv-host")
-    self._failed_write = None
 
   def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
     def job():
@@ -463,7 +444,7 @@ class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
         if lo < hi:
           rows = slice(lo - row0, hi - row0)
           for i, x in enumerate((k_BTKH, v_BTKH)):
-            buf[layer, i, lo - b.start:hi - b.start, :, :t] = _local_block(x, rows, k, 2).swapaxes(1, 2)
+            buf[layer, i, lo - b.start:hi - b.start, :, :t] = sharding.local_block(x, rows, k, 2).swapaxes(1, 2)
     self._write(f"prompt write of layer {layer}", job)
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
@@ -473,7 +454,7 @@ class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
         mine = [int(r) for r in rows if b.start <= r < b.stop]
         if not mine:
           continue
-        blocks = [_local_block(x, b, k, 1) for x in (k_BKTH, v_BKTH)]
+        blocks = [sharding.local_block(x, b, k, 1) for x in (k_BKTH, v_BKTH)]
         for r in mine:
           for i, x in enumerate(blocks):
             buf[layer, i, r - b.start, :, start_B[r]:start_B[r] + t] = x[r - b.start]
@@ -484,15 +465,14 @@ class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
     g, x = len(layers), kappas_BKX[0].shape[-1]
     parts = []
     for device, b, k, buf in self.shards:
-      idx = np.stack([_local_block(kappa, b, k, 1) for kappa in kappas_BKX])[:, None]   # [G, 1, b, k, X]
+      idx = np.stack([sharding.local_block(kappa, b, k, 1) for kappa in kappas_BKX])[:, None]   # [G, 1, b, k, X]
       rows = take_rows(buf[layers[0]:layers[-1] + 1], idx)
       parts.append(jax.device_put(rows, device, may_alias=True))
     shape = (g, 2, self.global_shape[0], self.global_shape[1], x, self.global_shape[3])
     return jax.make_array_from_single_device_arrays(shape, self.on_device_kv, parts)
 
   def arrays(self):
-    """This process's blocks after every write queued so far: per addressable device, K [L, b, k, S, H] then
-    V (waits for the worker, as a fetch does)."""
+    """This process's blocks after the queued writes: per addressable device K [L, b, k, S, H], then V."""
     NumpyHostStore.arrays(self)
     return [buf[:, i] for i in (0, 1) for _, _, _, buf in self.shards]
 

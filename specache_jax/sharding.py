@@ -57,6 +57,23 @@ def first_local_device(mesh: Mesh):
   return local[0]
 
 
+def local_block(x, b: slice, k: slice, k_axis: int) -> np.ndarray:
+  """Rows b, KV heads k (on axis k_axis, B on axis 0) of a (sharded) jax or numpy array, read from a shard of
+  this process that holds them: never a cross-process transfer."""
+  if isinstance(x, np.ndarray):
+    return x[(b,) + (slice(None),) * (k_axis - 1) + (k,)]
+  for shard in x.addressable_shards:
+    sb, sk = shard.index[0], shard.index[k_axis]
+    b0, b1, _ = sb.indices(x.shape[0])
+    k0, k1, _ = sk.indices(x.shape[k_axis])
+    if b0 <= b.start and b.stop <= b1 and k0 <= k.start and k.stop <= k1:
+      local = (slice(b.start - b0, b.stop - b0),) + (slice(None),) * (k_axis - 1) + \
+          (slice(k.start - k0, k.stop - k0),)
+      return np.asarray(shard.data)[local]
+  raise ValueError(f"no shard of this process holds rows {b} and KV heads {k} of an array of shape {x.shape} "
+                   f"laid out as {x.sharding}: a host store needs the cache's (data, model) layout")
+
+
 def param_specs(cfg: ModelConfig) -> dict:
   """PartitionSpecs with the structure of `model.init.param_shapes(cfg)` (layer leaves lead with L)."""
   heads_out = P(None, None, "model")          # [L, D, N*H | K*H | F]: output dim by model

@@ -37,12 +37,16 @@ def main(argv):
                                   process_id=int(pid), heartbeat_timeout_s=10, shutdown_timeout_s=20)
   import numpy as np
   import specache_jax as sj
+  from specache_jax import offload
   from jax.experimental import multihost_utils
   from tests.multiprocess_cases import METHODS, model_and_prompts
   mdl, prompts = model_and_prompts()
   mesh = sharding.make_mesh(2, 2, devices=crossed_devices())
+  store = offload.make_store("numpy", 2, 4, 4, 32, 16, np.float32, mesh=mesh)   # [L, 2, B, K, S, H] in all
   if int(pid) == 0:
     print("LAYOUT " + json.dumps([[d.process_index for d in row] for row in mesh.devices]), flush=True)
+    print(f"STORE {store.nbytes} {2 * 2 * 4 * 4 * 32 * 16 * 4}", flush=True)
+  store.close()
   if f"--fail={pid}" in argv:
     raise RuntimeError(FAIL_MESSAGE)
   for name in names.split(","):

@@ -67,8 +67,10 @@ def test_two_processes_give_the_one_process_tokens_and_exit_cleanly():
   r0, r1 = _launch(",".join(METHODS))
   for i, (code, _, err) in enumerate((r0, r1)):
     assert code == 0, f"process {i} exited with {code}:\n{err[-3000:]}"
-  lines = dict(line.split(" ", 1) for line in r0[1].splitlines() if line.startswith(("LAYOUT", "TOKENS")))
+  lines = dict(line.split(" ", 1) for line in r0[1].splitlines() if line.startswith(("LAYOUT", "STORE")))
   assert json.loads(lines["LAYOUT"]) == [[0, 1], [1, 0]]      # data and model axes both cross processes
+  held, whole = map(int, lines["STORE"].split())
+  assert held * 2 == whole                                      # a host store holds its process's half
   got = dict(line.split(" ", 2)[1:] for line in r0[1].splitlines() if line.startswith("TOKENS"))
   assert sorted(got) == sorted(METHODS)
   for name in METHODS:
@@ -107,3 +109,14 @@ def test_the_niah_sweep_with_distributed_writes_the_one_process_results(tmp_path
                        for c, rec in json.loads((out / "results.json").read_text(encoding="utf-8"))["cells"].items()}
   assert cells(two) == cells(one)
   assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+
+def test_bad_process_settings_are_refused_before_jax_starts():
+  from specache_jax import multiprocess
+  with pytest.raises(ValueError, match=r"process_id=2 must be < num_processes=2"):
+    multiprocess.initialize("127.0.0.1:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match=r"num_processes=-1 must be an integer >= 0"):
+    multiprocess.initialize("127.0.0.1:1", num_processes=-1, process_id=0)
+  out = subprocess.run([sys.executable, "-m", "experiments.niah", "--config=configs/niah.py:test", "--process_id=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 1 and "--process_id need(s) --distributed" in out.stderr, out.stderr[-2000:]
