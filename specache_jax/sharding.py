@@ -31,10 +31,6 @@ def maybe_initialize_distributed(flag: bool, **kwargs) -> bool:
   return True
 
 
-def is_multiprocess() -> bool:
-  return jax.process_count() > 1
-
-
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
   """A (data, model) mesh with Auto axes over the first data*model devices (or the given ones)."""
   for name, value in (("data", data), ("model", model)):
