@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specache_jax import sharding
+from specache_jax import multiprocess, sharding
 from specache_jax.arrays import Ready, tree_nbytes
 from specache_jax.caches.attention import PrefillBlocks
 from specache_jax.caches.specache import HOST_STORES
@@ -152,7 +152,9 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   (up to `batch`) whose activations fit the accelerator next to the weights and the cache (all of them when
   its free memory is unknown or shared with the host), at least 1 — `check` then refuses a run that does not
   fit even one at a time."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]
+  if device.process_index != jax.process_index():         # another process's: its memory cannot be queried
+    device = jax.local_devices()[0]
   platform = platform or device.platform
   nbytes = tree_nbytes
   resident = nbytes(params) + _state_bytes(model_cfg, method, batch, max_len, jnp.dtype(dtype))
@@ -397,7 +399,7 @@ class _MeshPlacement:
 
   def _place(self, mesh):
     self.mesh = mesh
-    self.device = mesh.devices.flat[0]
+    self.device = sharding.first_local_device(mesh)
     self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
     self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
     self.on_device_kv = NamedSharding(mesh, P(None, None, "data", "model", None, None), memory_kind="device")
@@ -418,24 +420,81 @@ class MeshPinnedHostStore(_MeshPlacement, PinnedHostStore):
 
 
 class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
-  """NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
+  """NumpyHostStore on a mesh: this process's RAM holds only its devices' blocks (rows on data x KV heads on
+  model, one buffer per addressable device), written from the local shards and gathered per device into one
+  [G, 2, B, K, X, H] array sharded on (data, model): nothing crosses processes."""
 
   def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s: float | None = None):
-    NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0],
-                            fetch_timeout_s)
+    NumpyHostStore.__init__(self, n_layers, 0, n_kv, slots, head_dim, dtype, sharding.first_local_device(mesh),
+                            fetch_timeout_s)          # its worker, and no rows: the blocks below hold them
     self._place(mesh)
+    self.global_shape = (batch, n_kv, slots, head_dim)
+    index = self.on_device.addressable_devices_indices_map(self.global_shape)
+    self.shards = []                   # (device, rows slice, KV heads slice, [L, 2, b, k, S, H] buffer)
+    for device, idx in index.items():
+      b, k = (slice(*sl.indices(n)[:2]) for sl, n in zip(idx[:2], (batch, n_kv)))
+      shape = (n_layers, 2, b.stop - b.start, k.stop - k.start, slots, head_dim)
+      self.shards.append((device, b, k, np.zeros(shape, jnp.dtype(dtype))))
+
+  def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
+    def job():
+      n, t = k_BTKH.shape[:2]
+      for _, b, k, buf in self.shards:
+        lo, hi = max(b.start, row0), min(b.stop, row0 + n)
+        if lo < hi:
+          rows = slice(lo - row0, hi - row0)
+          for i, x in enumerate((k_BTKH, v_BTKH)):
+            buf[layer, i, lo - b.start:hi - b.start, :, :t] = sharding.local_block(x, rows, k, 2).swapaxes(1, 2)
+    self._write(f"prompt write of layer {layer}", job)
+
+  def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
+    def job():
+      t = k_BKTH.shape[2]
+      for _, b, k, buf in self.shards:
+        mine = [int(r) for r in rows if b.start <= r < b.stop]
+        if not mine:
+          continue
+        blocks = [sharding.local_block(x, b, k, 1) for x in (k_BKTH, v_BKTH)]
+        for r in mine:
+          for i, x in enumerate(blocks):
+            buf[layer, i, r - b.start, :, start_B[r]:start_B[r] + t] = x[r - b.start]
+    self._write(f"block write of layer {layer}", job)
+
+  def gather(self, layers: tuple[int, ...], kappas_BKX):
+    """On the worker: per addressable device, its rows at its κ -> one [G, 2, B, K, X, H] array on the mesh."""
+    g, x = len(layers), kappas_BKX[0].shape[-1]
+    parts = []
+    for device, b, k, buf in self.shards:
+      idx = np.stack([sharding.local_block(kappa, b, k, 1) for kappa in kappas_BKX])[:, None]   # [G, 1, b, k, X]
+      rows = take_rows(buf[layers[0]:layers[-1] + 1], idx)
+      parts.append(jax.device_put(rows, device, may_alias=True))
+    shape = (g, 2, self.global_shape[0], self.global_shape[1], x, self.global_shape[3])
+    return jax.make_array_from_single_device_arrays(shape, self.on_device_kv, parts)
+
+  def arrays(self):
+    """This process's blocks after the queued writes: per addressable device K [L, b, k, S, H], then V."""
+    NumpyHostStore.arrays(self)
+    return [buf[:, i] for i in (0, 1) for _, _, _, buf in self.shards]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes this process holds (its devices' blocks)."""
+    return int(sum(buf.nbytes for *_, buf in self.shards))
 
 
 def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None,
                fetch_timeout_s: float | None = None):
-  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given.
-  fetch_timeout_s: the numpy store's limit on one wait for a fetch (`resolve_fetch_timeout`)."""
-  device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
+  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given (each process
+  then holds its own devices' blocks). fetch_timeout_s: the numpy store's limit on one wait for a fetch
+  (`resolve_fetch_timeout`)."""
   kind = resolve_store_kind(kind)
   if mesh is not None:
     if kind == "pinned_host":
       return MeshPinnedHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
-    return MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
+    store = MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
+    multiprocess.close_at_shutdown(store)
+    return store
+  device = device or jax.local_devices()[0]
   if kind == "pinned_host":
     return PinnedHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device)
   return NumpyHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device, fetch_timeout_s)

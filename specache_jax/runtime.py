@@ -195,7 +195,7 @@ class OffloadRuntime:
     self.mesh, self.check_numerics = mesh, check_numerics
     if mesh is not None:
       params = sharding.shard_params(params, cfg, mesh)
-      device = mesh.devices.flat[0]
+      device = sharding.first_local_device(mesh)
     self.device = device or jax.devices()[0]
     self.dtype = params["embed"].dtype
     if mesh is not None and prefill_rows not in (None, batch):
