@@ -242,8 +242,10 @@ class OffloadRuntime:
                                     mesh=self.mesh)
 
   def read(self, x) -> np.ndarray:
-    """x on the host (a wait for x on the dispatching thread): every device -> host read the runtime makes."""
-    self.host_reads += 1
+    """x on the host (for a device array, a wait for it on the dispatching thread, counted in `host_reads`): every
+    device -> host read the runtime makes goes through here."""
+    if isinstance(x, jax.Array):
+      self.host_reads += 1
     return np.asarray(x)
 
   def _waits_for_kappa(self, miss_B) -> bool:

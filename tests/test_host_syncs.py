@@ -49,8 +49,12 @@ def test_exact_on_miss_reads_the_miss_flags_once_a_step_and_nonspeculative_reads
   """exact_on_miss must know before the step's attention whether any row missed: one read a step, hit or
   miss; the non-speculative ablation always fetches on the critical path and reads nothing."""
   model = _model()
-  reads, _ = _reads_per_step(_runtime(model, exact_on_miss=True), model)
+  rt = _runtime(model, exact_on_miss=True)
+  reads, _ = _reads_per_step(rt, model)
   assert reads == [1] * len(reads)
+  before = rt.host_reads
+  rt.read(np.zeros(3, bool))                               # flags already on the host: no device read
+  assert rt.host_reads == before
   reads, _ = _reads_per_step(_runtime(model, speculative=False), model)
   assert reads == [0] * len(reads)
 
