@@ -308,6 +308,15 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
   return raw[off:off + size * dtype.itemsize].view(dtype).reshape(shape)
 
 
+def _start_copies(arrays) -> None:
+  """Start each device array's copy to the host (`copy_to_host_async`) as its producer is dispatched: the
+  worker's np.asarray then waits for the producer's compute and no transfer, and the dispatching thread, which
+  only queues the job, never waits for either. Numpy arrays pass through."""
+  for a in arrays:
+    if isinstance(a, jax.Array):
+      a.copy_to_host_async()
+
+
 class NumpyHostStore:
   kind = "numpy"
 
@@ -342,6 +351,7 @@ class NumpyHostStore:
 
   def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
     """The prompt's k/v [n, T, K, H] of sequences row0..row0+n-1, at positions 0..T-1."""
+    _start_copies((k_BTKH, v_BTKH))
     def job():
       k, v = np.asarray(k_BTKH).swapaxes(1, 2), np.asarray(v_BTKH).swapaxes(1, 2)
       self.k[layer][row0:row0 + k.shape[0], :, :k.shape[2]] = k
@@ -350,6 +360,7 @@ class NumpyHostStore:
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
     """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
+    _start_copies((k_BKTH, v_BKTH))
     def job():
       k, v = np.asarray(k_BKTH), np.asarray(v_BKTH)
       for b in rows:
@@ -373,6 +384,7 @@ class NumpyHostStore:
     if list(layers) != list(range(layers[0], layers[0] + len(layers))) or len(kappas_BKX) != len(layers):
       raise ValueError(f"fetch needs consecutive layers with one κ each; got layers {layers} and "
                        f"{len(kappas_BKX)} κ arrays")
+    _start_copies(kappas_BKX)
     def job():
       self._raise_failed_write()
       return self.gather(layers, kappas_BKX)
