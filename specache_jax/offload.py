@@ -34,22 +34,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specache_jax import multiprocess, sharding
 from specache_jax.arrays import Ready
-from specache_jax.caches.specache import HOST_STORES
 from specache_jax.host_worker import (  # noqa: F401 (the errors and the setting, importable from here too)
     FETCH_TIMEOUT_ENV, HostFetchTimeout, HostStoreError, PendingFetch, Worker, resolve_fetch_timeout)
 from specache_jax.memory_plan import (  # noqa: F401 (the runtime's plan, importable from here too)
     PINNED_LIMIT_DEFAULT_GIB, PINNED_LIMIT_ENV, MemoryPlan, MemoryPlanError, pinned_limit_bytes, plan_memory,
-    prefill_activation_bytes)
-
-
-def resolve_store_kind(kind: str) -> str:
-  if kind not in HOST_STORES:
-    raise ValueError(f"host_store={kind!r} must be one of {HOST_STORES}")
-  # auto = the host-worker store everywhere: its gathers and writes never enter the device's compute stream
-  # (pinned_host's host programs queue behind layer l on a GPU, where device code also cannot index pinned_host
-  # arrays, jax#34041), and on this CPU it is the faster one too (SmolLM2 shapes, S=8192, B=1: 111 vs 119 ms per
-  # offloaded step). pinned_host stays available by name.
-  return "numpy" if kind == "auto" else kind
+    prefill_activation_bytes, resolve_store_kind)
 
 
 # ----- pinned_host store: host computations on host-memory arrays -----
