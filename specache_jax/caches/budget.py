@@ -1,8 +1,10 @@
-"""Size an eviction baseline (StreamingLLM, H2O) to the device bytes of another method (e.g. SpeCache).
+"""Size a budget-sized baseline (the eviction methods StreamingLLM and H2O, the retrieval method Quest) to the
+device bytes of another method (e.g. SpeCache).
 
 Bytes are read from the state's shapes (`jax.eval_shape` of `init`, nothing allocated) through each method's
-own `device_bytes` (SpeCache's leaves out its 16-bit host arrays k16/v16; the eviction methods count
-everything: k, v and their per-slot bookkeeping pos (and H2O's score)).
+own `device_bytes` (SpeCache's and Quest's leave out their 16-bit host arrays k16/v16; the eviction methods count
+everything: k, v and their per-slot bookkeeping pos (and H2O's score)). A budget moves in steps of one slot, or
+one page for Quest (its budget is whole pages).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from specache_jax.errors import ConfigError
 from specache_jax.model_config import ModelConfig
 
 EVICTION_METHODS = ("streaming", "h2o")
+SIZED_METHODS = EVICTION_METHODS + ("quest",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +43,16 @@ def device_bytes_at(method: CacheConfig, model_cfg: ModelConfig, max_len: int, d
   return method.device_bytes(sized) + ids
 
 
+def _budget_step(method_name: str, settings: dict) -> int:
+  """The budget's granularity: one slot, or one page (Quest)."""
+  return settings.get("page_size", 16) if method_name == "quest" else 1
+
+
 def _smallest_budget(method_name: str, settings: dict) -> int:
   if method_name == "streaming":
     return settings.get("sink", 4) + 1
+  if method_name == "quest":
+    return _budget_step(method_name, settings)
   recent = settings.get("recent")
   return 1 if recent is None else recent
 
@@ -50,9 +60,11 @@ def _smallest_budget(method_name: str, settings: dict) -> int:
 def matched_budget(method_name: str, reference: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype,
                    **settings) -> CacheConfig:
   """The `method_name` config (other settings as given) with the largest budget whose device bytes at
-  `max_len` (batch 1) do not exceed `reference`'s (the target): bytes <= target < bytes with one slot more."""
-  if method_name not in EVICTION_METHODS:
-    raise ConfigError(f"method_name={method_name!r} must be one of {EVICTION_METHODS} (a budget-sized method)")
+  `max_len` (batch 1) do not exceed `reference`'s (the target): bytes <= target < bytes with one step more
+  (a slot; a page for Quest). Quest's budget stops at the whole cache (`max_len` rounded to pages: every
+  position attended), whatever bytes are left."""
+  if method_name not in SIZED_METHODS:
+    raise ConfigError(f"method_name={method_name!r} must be one of {SIZED_METHODS} (a budget-sized method)")
   if "budget" in settings:
     raise ConfigError(f"budget={settings['budget']!r} is what matched_budget computes; do not pass it")
   target = device_bytes_at(reference, model_cfg, max_len, dtype)
@@ -60,15 +72,19 @@ def matched_budget(method_name: str, reference: CacheConfig, model_cfg: ModelCon
   def bytes_for(budget: int) -> int:
     return device_bytes_at(cache_config(method_name, budget=budget, **settings), model_cfg, max_len, dtype)
 
-  lo = _smallest_budget(method_name, settings)
-  base, per_slot = bytes_for(lo), bytes_for(lo + 1) - bytes_for(lo)      # bytes are affine in the budget
+  lo, step = _smallest_budget(method_name, settings), _budget_step(method_name, settings)
+  if method_name == "quest":            # the whole cache: every position attended, no budget above it
+    whole = cache_config(method_name, budget=lo, **settings).slots(max_len)
+    if bytes_for(whole) <= target:
+      return cache_config(method_name, budget=whole, **settings)
+  base, per_step = bytes_for(lo), bytes_for(lo + step) - bytes_for(lo)   # bytes are affine in the budget
   if base > target:
     raise ConfigError(f"{reference.name} uses {target} device bytes at max_len={max_len}, less than "
                       f"{method_name} with its smallest budget={lo} ({base} bytes)")
-  budget = lo + (target - base) // per_slot
+  budget = lo + (target - base) // per_step * step
   method = cache_config(method_name, budget=budget, **settings)
   got = device_bytes_at(method, model_cfg, max_len, dtype)
-  if not got <= target < got + per_slot:
+  if not got <= target < got + per_step:
     raise AssertionError(f"matched budget={budget} gives {got} bytes for a target of {target} "
-                         f"({per_slot} bytes per slot): the bytes are not affine in the budget")
+                         f"({per_step} bytes per budget step of {step}): the bytes are not affine in the budget")
   return method
