@@ -28,7 +28,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_prompt_tokens = 3500        # middle-truncation budget (the official per-model "maxlen")
   c.max_new_tokens_cap = 0          # 0 = the official per-task generation length; >0 caps it (faster, unofficial)
   c.batch_size = 1                  # prompts per sj.generate call (a ragged batch)
-  c.methods = methods.standard()    # label -> cache settings (see experiments/lib/methods.py:standard)
+  c.methods = dict(methods.standard(), **methods.retrieval())   # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "full,specache_1bit"   # labels run, in order
   c.output_dir = "runs/longbench"     # results.json (resumable), <method>/<task>.jsonl, scores.json, summary.md
   c.stop_after = 0                  # >0: stop once this many new predictions are stored
@@ -38,7 +38,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.limit = 0
     c.max_prompt_tokens = 7500      # LLaMA-3 8k context minus room for the longest generation
     c.batch_size = 4
-    c.run_methods = "full,specache_2bit,specache_1bit"
+    c.run_methods = "full,specache_2bit,specache_1bit,quest"
     c.output_dir = "runs/longbench_gpu"
   elif arg == "test":
     c.model = "tiny-random"

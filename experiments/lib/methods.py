@@ -3,15 +3,15 @@
     methods.specache_1bit = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)
     methods.h2o = dict(name="h2o", match="specache_1bit")      # budget = that method's device bytes
 
-and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes an eviction method
-(StreamingLLM, H2O) with `caches.budget.matched_budget` at every context length separately, since the
+and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes a budget-sized method
+(StreamingLLM, H2O, Quest) with `caches.budget.matched_budget` at every context length separately, since the
 reference's device bytes grow with the context.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from specache_jax.caches import CacheConfig, cache_config
+from specache_jax.caches import METHOD_NAMES, CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
 from specache_jax.caches.budget import matched_budget
 from specache_jax.errors import ConfigError
@@ -47,7 +47,7 @@ def options(config, label: str) -> dict[str, Any]:
 def spec_of(config, label: str) -> dict[str, Any]:
   spec = _as_dict(_as_dict(config.methods)[label])
   if "name" not in spec:
-    raise ConfigError(f"config.methods.{label} has no 'name' (one of full, kivi, specache, streaming, h2o)")
+    raise ConfigError(f"config.methods.{label} has no 'name' (one of {', '.join(METHOD_NAMES)})")
   return spec
 
 
@@ -108,6 +108,14 @@ def standard() -> dict[str, dict[str, Any]]:
       "specache_2bit": dict(name="specache", bits=2, group_size=64, residual=64, topk=64),
       "streaming": dict(name="streaming", match="specache_1bit"),              # sinks + window, same bytes
       "h2o": dict(name="h2o", match="specache_1bit"),                          # heavy hitters, same bytes
+  }
+
+
+def retrieval() -> dict[str, dict[str, Any]]:
+  """The retrieval baselines beside SpeCache, at SpeCache 1-bit's device bytes (the same 16-bit cache kept off
+  the device, a different choice of the rows attended), keyed by label."""
+  return {
+      "quest": dict(name="quest", match="specache_1bit"),      # pages by their min/max key bounds, same bytes
   }
 
 
