@@ -97,7 +97,7 @@ def page_bounds(k_BKTH, lengths_B, page_size: int):
   pages = -(-t // page_size)
   k = jnp.pad(k_BKTH.astype(jnp.float32), ((0, 0), (0, 0), (0, pages * page_size - t), (0, 0)))
   k = k.reshape(b, n_kv, pages, page_size, h)
-  held = (jnp.arange(pages * page_size) < lengths_B[:, None]).reshape(b, 1, pages, page_size, 1)
+  held = (jnp.arange(pages * page_size)[None, :] < lengths_B[:, None]).reshape(b, 1, pages, page_size, 1)
   lo = jnp.min(jnp.where(held, k, jnp.inf), axis=3)
   hi = jnp.max(jnp.where(held, k, -jnp.inf), axis=3)
   some = jnp.any(held, axis=3)
@@ -155,7 +155,7 @@ def choose_pages(method: QuestConfig, st: State, q, lengths):
 def page_rows(pages_BKX, page_size: int):
   """[B, K, X·page_size] int32: the positions of the pages' rows."""
   b, k, x = pages_BKX.shape
-  rows = pages_BKX[..., None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+  rows = pages_BKX[..., None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, None, None, :]
   return rows.reshape(b, k, x * page_size)
 
 
