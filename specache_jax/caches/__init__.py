@@ -15,6 +15,7 @@ _METHODS = {
     "streaming": ("specache_jax.caches.streaming", "StreamingConfig"),
     "h2o": ("specache_jax.caches.h2o", "H2OConfig"),
     "quest": ("specache_jax.caches.quest", "QuestConfig"),
+    "infllm": ("specache_jax.caches.infllm", "InfLLMConfig"),
 }
 METHOD_NAMES = tuple(_METHODS)
 
