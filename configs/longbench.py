@@ -38,7 +38,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.limit = 0
     c.max_prompt_tokens = 7500      # LLaMA-3 8k context minus room for the longest generation
     c.batch_size = 4
-    c.run_methods = "full,specache_2bit,specache_1bit,quest"
+    c.run_methods = "full,specache_2bit,specache_1bit,quest,infllm"
     c.output_dir = "runs/longbench_gpu"
   elif arg == "test":
     c.model = "tiny-random"

@@ -4,7 +4,7 @@
     methods.h2o = dict(name="h2o", match="specache_1bit")      # budget = that method's device bytes
 
 and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes a budget-sized method
-(StreamingLLM, H2O, Quest) with `caches.budget.matched_budget` at every context length separately, since the
+(StreamingLLM, H2O, Quest, InfLLM) with `caches.budget.matched_budget` at every context length separately, since the
 reference's device bytes grow with the context.
 """
 from __future__ import annotations
@@ -116,6 +116,7 @@ def retrieval() -> dict[str, dict[str, Any]]:
   the device, a different choice of the rows attended), keyed by label."""
   return {
       "quest": dict(name="quest", match="specache_1bit"),      # pages by their min/max key bounds, same bytes
+      "infllm": dict(name="infllm", match="specache_1bit"),    # initial + window + blocks by representatives
   }
 
 
