@@ -1,4 +1,4 @@
-"""Retrieval baselines (Quest): the pages chosen and the attention over them follow the rule (checked against a
+"""Retrieval baselines (Quest, InfLLM): the pages / blocks chosen and the attention over them follow the rule (checked against a
 float64 numpy simulation); equal to `full` when the budget covers the context; ragged batches equal rows alone;
 bytes split between device and host; budgets match SpeCache 1-bit's device bytes; bad settings refused."""
 import types
@@ -10,7 +10,8 @@ import pytest
 
 import specache_jax as sj
 from experiments.lib import methods
-from specache_jax.caches import quest
+from specache_jax.caches import attention as A
+from specache_jax.caches import infllm, quest
 from specache_jax.caches.budget import device_bytes_at, matched_budget
 from specache_jax.decode import init_cache
 from specache_jax.errors import ConfigError
@@ -92,14 +93,98 @@ def test_page_score_bounds_every_key_of_the_page():
   assert np.all(score >= per_page - 1e-5) and np.any(score > per_page + 1e-3)
 
 
+class _RefInfLLM:
+  """float64 InfLLM for one row and KV head: representative scores per position, representatives per formed block."""
+
+  def __init__(self, cfg, k_TH, v_TH, colsum_T, length):
+    self.cfg, self.k, self.v = cfg, k_TH, v_TH
+    self.score = np.zeros(len(k_TH))
+    self.score[:length] = colsum_T[:length]
+    self.reps = {}
+    for j in range(self.formed(length)):
+      self.form(j)
+
+  def formed(self, n):
+    c = self.cfg
+    return max(0, (n - c.n_init - c.window + c.block_size) // c.block_size)
+
+  def form(self, j):
+    c = self.cfg
+    rows = np.arange(c.n_init + j * c.block_size, c.n_init + (j + 1) * c.block_size)
+    top = rows[np.argsort(-self.score[rows], kind="stable")[:c.repr_topk]]
+    self.reps[j] = self.k[top].mean(0)
+
+  def step(self, q_GH, n, x):
+    """The new row at position n: (out [G, H], blocks chosen); then its scores, storage and block formation."""
+    c = self.cfg
+    cands = list(range(self.formed(n)))
+    bound = [max(q_GH[g] @ self.reps[j] for g in range(G)) for j in cands]
+    chosen = sorted(np.asarray(cands)[np.argsort(-np.asarray(bound), kind="stable")[:x]].tolist()) if cands else []
+    start = c.n_init + self.formed(n) * c.block_size
+    window = list(range(start, n))
+    cols = (list(range(min(c.n_init, n))) + [p for j in chosen for p in range(c.n_init + j * c.block_size,
+                                                                             c.n_init + (j + 1) * c.block_size)]
+            + window + [n])
+    out = np.zeros((G, H))
+    for g in range(G):
+      logits = self.k[cols] @ q_GH[g] / np.sqrt(H)
+      p = np.exp(logits - logits.max())
+      p /= p.sum()
+      out[g] = p @ self.v[cols]
+      for col, w in zip(cols, p):
+        if col in window or col == n:
+          self.score[col] += w / G
+    if self.formed(n + 1) > self.formed(n):
+      self.form(self.formed(n + 1) - 1)
+    return out, chosen
+
+
+@pytest.mark.parametrize("settings", [dict(budget=14, n_init=2, block_size=3, repr_topk=2, local=6),
+                                      dict(budget=20, n_init=2, block_size=3, repr_topk=2)],
+                         ids=["local6", "paper_split"])
+def test_infllm_attends_initial_window_and_the_blocks_of_best_representatives(settings):
+  cfg = infllm.InfLLMConfig(**settings)
+  assert (cfg.topk, cfg.window) == ((2, 6) if "local" in settings else (2, 12))
+  lengths, steps = np.asarray([4, 15, 22]), 12
+  rs = np.random.RandomState(cfg.budget)
+  total = int(lengths.max()) + steps
+  q_all, k_all, v_all = rs.randn(B, total, N, H), rs.randn(B, total, K, H), rs.randn(B, total, K, H)
+  tp = int(lengths.max())
+  qp, kp, vp = (jnp.asarray(x[:, :tp], jnp.float32) for x in (q_all, k_all, v_all))
+  _, colsum = A.prefill_attention(qp, kp, vp, jnp.asarray(lengths), H ** -0.5, want_colsum=True)
+  st = infllm.prefill(cfg, _layer_state(infllm, cfg), kp, vp, jnp.asarray(lengths), colsum)
+  refs = [[_RefInfLLM(cfg, k_all[b, :, kh], v_all[b, :, kh], np.asarray(colsum)[b, kh], int(lengths[b]))
+           for kh in range(K)] for b in range(B)]
+  attend = jax.jit(infllm.attend, static_argnums=0)
+  x = st.chosen.shape[-1]
+  for i in range(steps):
+    n = lengths + i
+    out, st, aux = attend(cfg, st, _new_rows(q_all, n), _new_rows(k_all, n), _new_rows(v_all, n), jnp.asarray(n))
+    assert aux == {}
+    for b in range(B):
+      for kh in range(K):
+        ref, chosen = refs[b][kh].step(q_all[b, n[b], kh * G:(kh + 1) * G], int(n[b]), x)
+        np.testing.assert_allclose(np.asarray(out[b, 0, kh * G:(kh + 1) * G]), ref, atol=1e-5)
+        c = refs[b][kh].formed(int(n[b]))
+        assert sorted(int(j) for j in np.asarray(st.chosen)[b, kh] if j < c) == chosen, (b, kh, i)
+        for j, rep in refs[b][kh].reps.items():
+          np.testing.assert_allclose(np.asarray(st.reps)[b, kh, j], rep, atol=1e-5)
+  assert max(len(r.reps) for row in refs for r in row) > x           # some blocks were left out
+
+
 # ---------------------------------------------------------------- through the model
 
-def test_budget_covering_the_context_equals_full_at_every_decode_step():
+SMALL = dict(n_init=4, block_size=4, repr_topk=2)          # InfLLM's settings at the tiny model's scale
+
+
+@pytest.mark.parametrize("name, settings", [("quest", dict(budget=32, page_size=4)),
+                                             ("infllm", dict(budget=32, **SMALL))], ids=["quest", "infllm"])
+def test_budget_covering_the_context_equals_full_at_every_decode_step(name, settings):
   model = tiny_model(seed=22, head_dim=16)
   cfg, params = model.config, model.params
   prompt = random_prompts(22, [24], cfg.vocab_size)[0]
   ref = sj.forward(model, np.asarray([prompt]))[0, -12:]
-  method = sj.cache_config("quest", budget=32, page_size=4)
+  method = sj.cache_config(name, **settings)
   toks = jnp.asarray([prompt])
   cache = init_cache(method, cfg, 1, 64, jnp.float32)
   _, cache, _ = forward(params, cfg, toks[:, :12], cache, method, "prefill")
@@ -114,14 +199,17 @@ def test_budget_covering_the_context_equals_full_at_every_decode_step():
 PROMPT_LENGTHS = [17, 30, 25]          # all pad to width 32 alone: one compiled program per batch size
 
 
-def test_generation_equals_full_at_a_covering_budget_and_ragged_batch_equals_alone():
+@pytest.mark.parametrize("name, roomy, small", [
+    ("quest", dict(budget=64), dict(budget=16, page_size=4)),                # 4 pages of 4: skips from step 1
+    ("infllm", dict(budget=64, **SMALL), dict(budget=20, **SMALL))],         # 4 + a block of 4 + a window of 12
+    ids=["quest", "infllm"])
+def test_generation_equals_full_at_a_covering_budget_and_ragged_batch_equals_alone(name, roomy, small):
   model = tiny_model(seed=23, head_dim=16)
   prompts = random_prompts(23, PROMPT_LENGTHS, model.config.vocab_size)
   full = sj.generate(model, prompts, max_new_tokens=20, stop_tokens=())
-  roomy = sj.generate(model, prompts, max_new_tokens=20, stop_tokens=(), cache=sj.cache_config("quest", budget=64))
+  roomy = sj.generate(model, prompts, max_new_tokens=20, stop_tokens=(), cache=sj.cache_config(name, **roomy))
   np.testing.assert_array_equal(roomy.tokens, full.tokens)
-  # 4 pages of 4: every row skips pages from its first step
-  method = sj.cache_config("quest", budget=16, page_size=4)
+  method = sj.cache_config(name, **small)
   batched = sj.generate(model, prompts, max_new_tokens=20, cache=method, stop_tokens=())
   assert not np.array_equal(batched.tokens, full.tokens)
   logits = sj.forward(model, np.asarray([prompts[1] + batched.tokens[1].tolist()]))
@@ -131,12 +219,14 @@ def test_generation_equals_full_at_a_covering_budget_and_ragged_batch_equals_alo
     np.testing.assert_array_equal(batched.tokens[i], alone.tokens[0])
 
 
-def test_a_small_budget_differs_from_full_and_stays_finite():
+@pytest.mark.parametrize("name, settings", [("quest", dict(budget=8, page_size=4)),
+                                             ("infllm", dict(budget=12, **SMALL))], ids=["quest", "infllm"])
+def test_a_small_budget_differs_from_full_and_stays_finite(name, settings):
   model = tiny_model(seed=24, head_dim=16)
   cfg, params = model.config, model.params
   prompt = random_prompts(24, [40], cfg.vocab_size)[0]
   ref = sj.forward(model, np.asarray([prompt]))[0, -8:]
-  method = sj.cache_config("quest", budget=8, page_size=4)
+  method = sj.cache_config(name, **settings)
   toks = jnp.asarray([prompt])
   _, cache, _ = forward(params, cfg, toks[:, :32], init_cache(method, cfg, 1, 64, jnp.float32), method, "prefill")
   got = []
@@ -159,6 +249,41 @@ def test_a_small_budget_differs_from_full_and_stays_finite():
 def test_bad_quest_settings_fail_clearly(settings, match):
   with pytest.raises(ConfigError, match=match):
     sj.cache_config("quest", **settings)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(budget=200), "budget=200 must be an integer >= 256"),
+    (dict(budget=64, n_init=-1, block_size=8), "n_init=-1 must be an integer >= 0"),
+    (dict(budget=64, block_size=0), "block_size=0 must be an integer >= 1"),
+    (dict(budget=64, n_init=4, block_size=8, repr_topk=9), "repr_topk=9 must be <= block_size=8"),
+    (dict(budget=64, n_init=4, block_size=8, repr_topk=0), "repr_topk=0 must be an integer >= 1"),
+    (dict(budget=64, n_init=4, block_size=8, local=4), "local=4 must be an integer >= 8"),
+    (dict(budget=64, n_init=4, block_size=8, local=61), r"n_init=4 \+ local=61 must be <= budget=64"),
+    (dict(budget=64, offload=True), r"unknown setting\(s\) \['offload'\]")])
+def test_bad_infllm_settings_fail_clearly(settings, match):
+  with pytest.raises(ConfigError, match=match):
+    sj.cache_config("infllm", **settings)
+
+
+def test_infllm_defaults_are_the_papers():
+  method = sj.cache_config("infllm")
+  assert (method.n_init, method.block_size, method.repr_topk, method.topk, method.window) == (128, 128, 4, 16, 4096)
+  assert method.budget == 128 + 4096 + 16 * 128
+  # a smaller budget keeps the paper's split: a third retrieved in whole blocks, the rest the window
+  assert (sj.cache_config("infllm", budget=1024).topk, sj.cache_config("infllm", budget=1024).window) == (2, 640)
+
+
+def test_infllm_bytes_split_between_device_and_host():
+  cfg = tiny_model(seed=0, head_dim=16).config
+  method = sj.cache_config("infllm", budget=40, **SMALL)                  # 3 blocks, a window of 24
+  st = method.impl.init(method, cfg, 2, 100, jnp.bfloat16)
+  kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2               # bytes per (row, slot) for k and v
+  heads = cfg.n_layers * cfg.n_kv_heads
+  assert (method.topk, method.window, method.blocks(100)) == (3, 24, 24)
+  assert method.host_bytes(st) == 2 * 100 * kv
+  assert st.fetched_k.shape[-2] == 4 + 23 + 3 * 4                        # budget - 1: the new row comes apart
+  assert method.device_bytes(st) == 2 * (24 * kv // 2 + 39 * kv + heads * (3 * 4 + 24 * 4))
+  assert device_bytes_at(method, cfg, 100, jnp.bfloat16, batch=2) == method.device_bytes(st)
 
 
 def test_quest_bytes_split_between_device_and_host():
@@ -192,12 +317,25 @@ def test_matched_quest_budget_fits_under_the_reference_within_one_page():
   assert roomy.budget == 112 and roomy.pages_chosen(100) == 7
 
 
-def test_the_quest_label_is_sized_to_specache_1bit():
+def test_matched_infllm_budget_fits_under_the_reference_within_one_token():
+  cfg = tiny_model(seed=0, head_dim=16).config
+  ref = sj.cache_config("specache", bits=1, group_size=16, residual=16, topk=8)
+  for max_len in (1024, 4096):
+    target = device_bytes_at(ref, cfg, max_len, jnp.bfloat16)
+    method = matched_budget("infllm", ref, cfg, max_len, jnp.bfloat16, **SMALL)
+    assert (method.name, method.n_init, method.block_size) == ("infllm", 4, 4)
+    assert device_bytes_at(method, cfg, max_len, jnp.bfloat16) <= target
+    one_more = sj.cache_config("infllm", budget=method.budget + 1, **SMALL)
+    assert device_bytes_at(one_more, cfg, max_len, jnp.bfloat16) > target
+
+
+@pytest.mark.parametrize("label", ["quest", "infllm"])
+def test_the_retrieval_labels_are_sized_to_specache_1bit(label):
   cfg = tiny_model(seed=0, head_dim=64).config
-  config = types.SimpleNamespace(methods=dict(methods.standard(), **methods.retrieval()), run_methods="quest")
-  assert methods.labels(config) == ["quest"]
-  method = methods.build(config, "quest", cfg, 4096, jnp.bfloat16)
+  config = types.SimpleNamespace(methods=dict(methods.standard(), **methods.retrieval()), run_methods=label)
+  assert methods.labels(config) == [label]
+  method = methods.build(config, label, cfg, 4096, jnp.bfloat16)
   ref = methods.build(config, "specache_1bit", cfg, 4096, jnp.bfloat16)
   target = device_bytes_at(ref, cfg, 4096, jnp.bfloat16)
-  assert method.name == "quest" and 16 <= method.budget < 4096
+  assert method.name == label and 16 <= method.budget < 4096
   assert device_bytes_at(method, cfg, 4096, jnp.bfloat16) <= target

@@ -32,6 +32,7 @@ fetched rows.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import jax
@@ -230,8 +231,7 @@ def device_bytes(method, st: State) -> int:
   """The representatives, the chosen blocks, the fetched rows and the window's scores; not the 16-bit cache
   (host memory) nor the scores of positions out of the window (kept only because the simulation indexes by
   position)."""
-  b, k = st.score.shape[:2]
-  live = 4 * b * k * min(method.window, st.score.shape[-1])
+  live = 4 * math.prod(st.score.shape[:-1]) * min(method.window, st.score.shape[-1])   # [..., B, K] heads
   return tree_nbytes(st) - tree_nbytes((st.k16, st.v16, st.score)) + live
 
 
