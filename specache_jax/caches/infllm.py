@@ -52,12 +52,13 @@ PAPER_LOCAL, PAPER_RETRIEVED = 4096, 16 * 128     # the paper's window and retri
 class InfLLMConfig(CacheConfig):
   name = "infllm"
   needs_attention_colsum = True
-  budget: int = 128 + PAPER_LOCAL + PAPER_RETRIEVED   # tokens attended per step: n_init + local + topk·block_size
+  budget: int = 128 + PAPER_LOCAL + PAPER_RETRIEVED   # tokens attended per step: n_init + window + topk·block_size
   n_init: int = 128                 # initial tokens, always attended
   block_size: int = 128             # tokens per memory block
   repr_topk: int = 4                # representative tokens per block
-  local: int | None = None          # window incl. the new row; None: what the retrieved whole blocks, about a
-                                    # third of budget - n_init, leave
+  local: int | None = None          # the least window (incl. the new row): the blocks are the whole ones that
+                                    # budget - n_init - local holds, the window the rest; None: the blocks are
+                                    # the whole ones in a third of budget - n_init (the paper's split)
 
   def __post_init__(self):
     check_int("n_init", self.n_init, 0)
