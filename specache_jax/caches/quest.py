@@ -39,7 +39,8 @@ from specache_jax.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class QuestConfig(CacheConfig):
   name = "quest"
-  budget: int = 1024            # tokens attended per step (whole pages: a multiple of page_size), new rows aside
+  budget: int = 1024            # tokens attended per step, the new row's included (it lies in the current page):
+                                # whole pages, a multiple of page_size (the paper's budgets: 256 to 4096)
   page_size: int = 16           # positions per page (the paper's 16)
 
   def __post_init__(self):
