@@ -115,7 +115,8 @@ def retrieval() -> dict[str, dict[str, Any]]:
   """The retrieval baselines beside SpeCache, at SpeCache 1-bit's device bytes (the same 16-bit cache kept off
   the device, a different choice of the rows attended), keyed by label. InfLLM keeps its paper's settings (128
   initial tokens, blocks of 128): on SmolLM2-135M (bf16) SpeCache 1-bit's bytes hold its smallest budget (256)
-  from about 2k tokens of context and its first retrieved block from about 8k; shorter, `matched_budget` refuses."""
+  from about 1.5k tokens of context (shorter, `matched_budget` refuses) and its first retrieved block from about
+  4.3k (below, it attends its initial tokens and window only)."""
   return {
       "quest": dict(name="quest", match="specache_1bit"),      # pages by their min/max key bounds, same bytes
       "infllm": dict(name="infllm", match="specache_1bit"),    # initial + window + blocks by representatives
