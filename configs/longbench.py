@@ -70,7 +70,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_prompt_tokens = 3500        # middle-truncation budget (the official per-model "maxlen")
   c.max_new_tokens_cap = 0          # 0 = the official per-task generation length; >0 caps it (faster, unofficial)
   c.batch_size = 1                  # prompts per sj.generate call (a ragged batch)
-  c.methods = dict(methods.standard(), **group32())   # label -> cache settings (experiments/lib/methods.py)
+  c.methods = dict(methods.standard(), **methods.retrieval(), **group32())   # label -> cache settings
+                                                                             # (experiments/lib/methods.py)
   c.run_methods = "full,specache_1bit"   # labels run, in order
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
@@ -92,7 +93,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.limit = 0
     c.max_prompt_tokens = 7500      # LLaMA-3 8k context minus room for the longest generation
     c.batch_size = 4
-    c.run_methods = "full,specache_2bit,specache_1bit"
+    c.run_methods = "full,specache_2bit,specache_1bit,quest,infllm"
     c.output_dir = "runs/longbench_gpu"
   elif arg == "test":
     c.model = "tiny-random"

@@ -3,8 +3,8 @@
     methods.specache_1bit = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)
     methods.h2o = dict(name="h2o", match="specache_1bit")      # budget = that method's device bytes
 
-and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes an eviction method
-(StreamingLLM, H2O) with `caches.budget.matched_budget` at every context length separately, since the
+and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes a budget-sized method
+(StreamingLLM, H2O, Quest, InfLLM) with `caches.budget.matched_budget` at every context length separately, since the
 reference's device bytes grow with the context.
 
 `config.extra_methods` adds labels from the command line (`parse_extra`), e.g.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from specache_jax.caches import CacheConfig, cache_config
+from specache_jax.caches import METHOD_NAMES, CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
 from specache_jax.caches.budget import matched_budget
 from specache_jax.errors import ConfigError
@@ -58,7 +58,7 @@ def options(config, label: str) -> dict[str, Any]:
 def spec_of(config, label: str) -> dict[str, Any]:
   spec = _as_dict(all_specs(config)[label])
   if "name" not in spec:
-    raise ConfigError(f"config.methods.{label} has no 'name' (one of full, kivi, specache, streaming, h2o)")
+    raise ConfigError(f"config.methods.{label} has no 'name' (one of {', '.join(METHOD_NAMES)})")
   return spec
 
 
@@ -197,6 +197,18 @@ def standard() -> dict[str, dict[str, Any]]:
       "specache_2bit": dict(name="specache", bits=2, group_size=64, residual=64, topk=64),
       "streaming": dict(name="streaming", match="specache_1bit"),              # sinks + window, same bytes
       "h2o": dict(name="h2o", match="specache_1bit"),                          # heavy hitters, same bytes
+  }
+
+
+def retrieval() -> dict[str, dict[str, Any]]:
+  """The retrieval baselines beside SpeCache, at SpeCache 1-bit's device bytes (the same 16-bit cache kept off
+  the device, a different choice of the rows attended), keyed by label. InfLLM keeps its paper's settings (128
+  initial tokens, blocks of 128): on SmolLM2-135M (bf16) SpeCache 1-bit's bytes hold its smallest budget (256)
+  from about 1.5k tokens of context (shorter, `matched_budget` refuses) and its first retrieved block from about
+  4.3k (below, it attends its initial tokens and window only)."""
+  return {
+      "quest": dict(name="quest", match="specache_1bit"),      # pages by their min/max key bounds, same bytes
+      "infllm": dict(name="infllm", match="specache_1bit"),    # initial + window + blocks by representatives
   }
 
 
