@@ -26,8 +26,9 @@ def fusion_barrier(tree, holds):
   otherwise recompute an expensive producer per element of a large consumer (an `optimization_barrier` does not
   survive its pipeline; a conditional does). Other platforms get the tree as is (`lax.platform_dependent`,
   resolved when lowering): a GPU conditional copies its predicate to the host and waits for it."""
-  return jax.lax.platform_dependent(tree, holds, cpu=lambda t, h: jax.lax.cond(h, lambda x: x, _zeros, t),
-                                    default=lambda t, h: t)
+  from specache_jax import dispatch       # which imports the kernels' packages
+  return dispatch.on_cpu_only(tree, holds, cpu=lambda t, h: jax.lax.cond(h, lambda x: x, _zeros, t),
+                              default=lambda t, h: t)
 
 
 def _zeros(tree):

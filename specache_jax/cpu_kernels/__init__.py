@@ -26,7 +26,7 @@ The C++ sources are compiled on first use, into one library, with the machine's 
 (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
 and the compiler. Where that fails (no compiler) the models keep XLA's ops and `status()` says why;
 `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
-XLA's ops for every other platform (`lax.platform_dependent`).
+XLA's ops for every other platform (`specache_jax.dispatch` chooses, by `lax.platform_dependent`).
 
 Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
 device multiplies its own rows), the weights are gathered where they are sharded (correct; the per-device
@@ -134,15 +134,6 @@ def status() -> str:
   return _load()[1]
 
 
-def on_cpu(use: bool, kernel, default, *args):
-  """kernel(*args) in programs for XLA:CPU when `use` (the caller's "the kernel applies"), default(*args) in
-  programs lowered for any other platform (`lax.platform_dependent`) and everywhere when not `use`: the one way
-  the models pick a kernel of this package."""
-  if use:
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=default)
-  return default(*args)
-
-
 def _checked(x_MD, ws, transposed: bool) -> list[int]:
   """The output widths N_i of x [M, D] times each weight; a clear error for anything the kernel cannot take."""
   if not ws:
@@ -208,9 +199,10 @@ def dense(x, *ws, transposed: bool = False):
     outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
     return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
 
+  from specache_jax import dispatch      # which imports this package
   f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-  outs = on_cpu(use_kernel(rows, transposed) and f32 and jax.default_backend() == "cpu" and available(), kernel,
-                xla, x, *ws)
+  outs = dispatch.weight_products("auto", xla, kernel, (x, *ws),
+                                  applies=use_kernel(rows, transposed) and f32 and available())
   return outs[0] if len(ws) == 1 else outs
 
 
