@@ -12,8 +12,10 @@
   "pallas_tpu"            the Mosaic TPU kernels (a TPU only);
   "pallas_interpret", "pallas_tpu_interpret"   those Pallas kernels in interpret mode (any backend; tests).
 An explicit kernel family that cannot run on the backend is refused when the config meets it (`check_backend`,
-from `validation.check_cache_config`). An op without a kernel of the family, or a shape its kernel does not take
-(`*_supports`), runs the reference: "pallas" still takes XLA's top-k and the full cache's dense attention.
+from `validation.check_cache_config`), and one whose mixed attention kernel does not take the cache's layout when
+it meets the model (`check_layout`, from the configs' `validate`). Other ops without a kernel of the family, or
+with a shape their kernel does not take, run the reference: "pallas" still takes XLA's top-k and the full cache's
+dense attention; "auto" takes the reference wherever the platform's kernel does not apply.
 
 Ops (each call site asks here): `mixed_attention` (SpeCache's and KIVI's low-bit + 16-bit attention: every
 family), `dense_attention` (the full cache's decode attention), `prefill_attention`, `top_k`, `scatter_top_k`,
@@ -119,6 +121,22 @@ def tpu_supports(bits: int, group_size: int, head_dim: int) -> bool:
   """Whether the Mosaic TPU mixed attention takes this layout (`tpu_block`)."""
   return _layout_ok(lambda: tpu_common.check_quant_layout(bits, group_size, head_dim,
                                                           tpu_block(group_size).block_s))
+
+
+def _mixed_supports(bits: int, group_size: int, head_dim: int) -> dict:
+  """family -> whether its mixed attention kernel takes this layout."""
+  from specache_jax.cpu_kernels import mixed_attention as cpu_attention   # cpu_kernels' loader imports this
+  return dict(cpu=cpu_attention.supports(bits, group_size, head_dim), pallas=triton_supports(bits, group_size, head_dim),
+              pallas_tpu=tpu_supports(bits, group_size, head_dim))
+
+
+def check_layout(impl: str, bits: int, group_size: int, head_dim: int) -> None:
+  """Refuses an explicit kernel family whose mixed attention kernel does not take the low-bit layout."""
+  check_impl(impl)
+  family = _INTERPRET.get(impl, impl)
+  if family in ("cpu", "pallas", "pallas_tpu") and not _mixed_supports(bits, group_size, head_dim)[family]:
+    raise ConfigError(f"attention_impl={impl!r}: its mixed attention kernel does not take {bits=}, "
+                      f"{group_size=}, {head_dim=} (use 'auto' or 'jnp')")
 
 
 def mixed_attention(impl: str, reference, q, low, lowbit_len, exclude, extra_k, extra_v, extra_mask, *,

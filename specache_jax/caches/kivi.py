@@ -48,6 +48,7 @@ class KiviConfig(CacheConfig):
       quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+    dispatch.check_layout(self.attention_impl, self.bits, self.group_size, model_cfg.head_dim)
 
   def slots(self, max_len):
     return lowbit.round_slots(max_len, self.residual)

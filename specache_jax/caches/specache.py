@@ -144,6 +144,7 @@ class SpeCacheConfig(CacheConfig):
       quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+    dispatch.check_layout(self.attention_impl, self.bits, self.group_size, model_cfg.head_dim)
     if self.topk > self.slots(max_len):
       raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
                         f"max_len={max_len})")
