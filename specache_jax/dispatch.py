@@ -19,8 +19,8 @@ dense attention; "auto" takes the reference wherever the platform's kernel does 
 
 Ops (each call site asks here): `mixed_attention` (SpeCache's and KIVI's low-bit + 16-bit attention: every
 family), `dense_attention` (the full cache's decode attention), `prefill_attention`, `top_k`, `scatter_top_k`,
-`take_rows`, `greedy`, `ring_keys`, `weight_products` (XLA:CPU kernels or the reference). Ops called without a
-config take "auto". `on_cpu_only` is the CPU-only lowering choice of the fusion barriers (a conditional on the
+`take_rows`, `greedy`, `ring_keys`, `dense` (the model's weight products) (XLA:CPU kernels or the reference).
+Ops called without a config take "auto". `on_cpu_only` is the CPU-only lowering choice of the fusion barriers (a conditional on the
 CPU, none elsewhere).
 """
 from __future__ import annotations
@@ -37,6 +37,11 @@ from pallas_kernels.tpu import _common as tpu_common
 from pallas_kernels.tpu.mixed_decode_attention import MixedAttentionTPUBlock
 from pallas_kernels.tpu.mixed_decode_attention import mixed_decode_attention as tpu_mixed
 from specache_jax import cpu_kernels as ck
+from specache_jax.cpu_kernels import dense_attention as cpu_dense
+from specache_jax.cpu_kernels import mixed_attention as cpu_attention
+from specache_jax.cpu_kernels import prefill_attention as cpu_prefill
+from specache_jax.cpu_kernels import ring_keys as cpu_ring
+from specache_jax.cpu_kernels import select
 from specache_jax.errors import ConfigError
 
 IMPLS = ("auto", "jnp", "cpu", "pallas", "pallas_tpu", "pallas_interpret", "pallas_tpu_interpret")
@@ -125,7 +130,6 @@ def tpu_supports(bits: int, group_size: int, head_dim: int) -> bool:
 
 def _mixed_supports(bits: int, group_size: int, head_dim: int) -> dict:
   """family -> whether its mixed attention kernel takes this layout."""
-  from specache_jax.cpu_kernels import mixed_attention as cpu_attention   # cpu_kernels' loader imports this
   return dict(cpu=cpu_attention.supports(bits, group_size, head_dim), pallas=triton_supports(bits, group_size, head_dim),
               pallas_tpu=tpu_supports(bits, group_size, head_dim))
 
@@ -148,7 +152,6 @@ def mixed_attention(impl: str, reference, q, low, lowbit_len, exclude, extra_k, 
   low: the low-bit cache (`lowbit.LowBit`: k/v codes, scales, zeros); extra_k / extra_v: sequences of
   [B, K, E_i, H] segments (the CPU kernel reads them in place; the Pallas kernels get them concatenated, in
   q's dtype). probabilities=False: only the output is returned (by every branch, the reference included)."""
-  from specache_jax.cpu_kernels import mixed_attention as cpu_attention   # cpu_kernels' loader imports this
   h = q.shape[-1]
   kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, prob_rows=prob_rows, lowbit_values=lowbit_values)
   low_args = (low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero, lowbit_len, exclude)
@@ -178,7 +181,6 @@ def mixed_attention(impl: str, reference, q, low, lowbit_len, exclude, extra_k, 
 def dense_attention(impl: str, reference, q, k, v, lengths, sm_scale: float):
   """The full cache's decode attention (`cpu_kernels.dense_attention` where it applies) or reference(q, k, v,
   lengths)."""
-  from specache_jax.cpu_kernels import dense_attention as cpu_dense
   rows = q.shape[2] // k.shape[1] * q.shape[1]
   kernel = lambda q, k, v, lengths: cpu_dense.decode_attention(q, k, v, lengths + 1, sm_scale)  # noqa: E731
   return choose(impl, reference, q, k, v, lengths,
@@ -188,15 +190,14 @@ def dense_attention(impl: str, reference, q, k, v, lengths, sm_scale: float):
 def prefill_attention(impl: str, reference, q, k, v, lengths, sm_scale: float):
   """The prompt's causal attention (`cpu_kernels.prefill_attention` where it applies) or reference(q, k, v,
   lengths)."""
-  from specache_jax.cpu_kernels import prefill_attention as cpu_prefill
   kernel = lambda *a: cpu_prefill.causal_attention(*a, sm_scale)    # noqa: E731
   return choose(impl, reference, q, k, v, lengths,
                 cpu=kernel if cpu_prefill.applies(q.shape[-1]) else None)
 
 
-def top_k(impl: str, scores, k: int):
-  """int32 indices of `lax.top_k(scores, k)`: the XLA:CPU kernel for float32 scores, else lax.top_k."""
-  from specache_jax.cpu_kernels import select
+def top_k(scores, k: int, impl: str = "auto"):
+  """int32 indices of `lax.top_k(scores, k)`: the XLA:CPU kernel for float32 scores, else lax.top_k (XLA:CPU's
+  TopK sorts the whole axis: 10.6 ms for SmolLM2's 49152 logits, k = 3)."""
   if scores.dtype != jnp.float32:
     return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
   return choose(impl, lambda y: select.top_k_indices_reference(y, k), scores,
@@ -206,31 +207,39 @@ def top_k(impl: str, scores, k: int):
 def scatter_top_k(impl: str, reference, low, extra, pos, limit, k: int):
   """κ's choice from an attention's two probability parts: the XLA:CPU fused scatter + top-k, or
   reference(low, extra, pos, limit)."""
-  from specache_jax.cpu_kernels import select
   return choose(impl, reference, low, extra, pos, limit,
                 cpu=(lambda *a: select.scatter_top_k(*a, k)) if select.applies() else None)
 
 
-def take_rows(impl: str, buf, idx):
+def take_rows(buf, idx, impl: str = "auto"):
   """Rows of buf [B, K, S, H] at idx [B, K, X]: the XLA:CPU row copy, or XLA's gather."""
-  from specache_jax.cpu_kernels import select
   return choose(impl, select.take_rows_reference, buf, idx, cpu=select.take_rows if select.applies() else None)
 
 
-def greedy(impl: str, x):
-  """argmax over the last axis, int32: the XLA:CPU kernel for float32 logits, else jnp.argmax."""
-  from specache_jax.cpu_kernels import select
+def greedy(x, impl: str = "auto"):
+  """The greedy token of logits [..., V] -> int32 [...]: the XLA:CPU argmax kernel for float32 logits, else
+  jnp.argmax."""
   if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0:
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
   return choose(impl, select.argmax_reference, x, cpu=select.argmax if select.applies() else None)
 
 
-def ring_keys(impl: str, reference, kernel, args, *, applies: bool):
-  """The low-bit ring's key columns: kernel(*args) (XLA:CPU) where it `applies`, else reference(*args)."""
-  return choose(impl, reference, *args, cpu=kernel if applies else None)
+def ring_keys(ring_k, k_codes, k_scale, k_zero, lengths, *, bits: int, group_size: int, dtype=jnp.float32,
+              impl: str = "auto"):
+  """The low-bit ring's key columns (`cpu_kernels.ring_keys`' contract): its kernel where it `applies`, else its
+  reference."""
+  kw = dict(bits=bits, group_size=group_size, dtype=dtype)
+  return choose(impl, functools.partial(cpu_ring.ring_keys_reference, **kw), ring_k, k_codes, k_scale, k_zero,
+                lengths.astype(jnp.int32), cpu=(functools.partial(cpu_ring.ring_keys, **kw)
+                              if cpu_ring.applies(ring_k, k_scale, dtype) else None))
 
 
-def weight_products(impl: str, reference, kernel, args, *, applies: bool):
-  """The model's weight products: kernel(*args) (`cpu_kernels.skinny_matmul`) where it `applies`, else
-  reference(*args) (XLA's dot)."""
-  return choose(impl, reference, *args, cpu=kernel if applies else None)
+def dense(x, *ws, transposed: bool = False, impl: str = "auto"):
+  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> [..., N_i]: the model's weight
+  products (an array for one weight, a tuple for several: q/k/v or gate/up, which share their input). On the CPU,
+  float32 operands with few rows (a decoding step: `cpu_kernels.dense_applies`) take `skinny_matmul`, one call for
+  all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot."""
+  kernel = functools.partial(ck.dense_kernel, transposed=transposed)
+  outs = choose(impl, functools.partial(ck.dense_reference, transposed=transposed), x, *ws,
+                cpu=kernel if ck.dense_applies(x, ws, transposed) else None)
+  return outs[0] if len(ws) == 1 else outs

@@ -170,7 +170,7 @@ def put_rows(buf_BKSX, rows_BKTX, start_B):
 def gather_rows(buf_BKSH, idx_BKX):
   """Rows of buf [B, K, S, H] at slots idx [B, K, X] -> [B, K, X, H] (idx clipped into range). On XLA:CPU a copy
   of whole rows (`cpu_kernels.select.take_rows`; XLA's gather computes an index per element)."""
-  return dispatch.take_rows("auto", buf_BKSH, idx_BKX)
+  return dispatch.take_rows(buf_BKSH, idx_BKX)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from flax import struct
 from specache_jax import dispatch, quant
 from specache_jax.caches import attention as A
 from specache_jax.caches import packed
-from specache_jax.cpu_kernels import ring_keys as cpu_ring
 
 
 @struct.dataclass
@@ -201,6 +200,6 @@ def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
   if exact_keys:
     return st.ring_k.astype(dtype), st.ring_v, pos
-  keys = cpu_ring.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
+  keys = dispatch.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
                             group_size=group_size, dtype=dtype)
   return keys, st.ring_v, pos

@@ -104,7 +104,7 @@ def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
   only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
   s = scores_BKS.shape[-1]
   if block is None or block < k or s <= block:
-    return cpu_select.top_k(scores_BKS, k)                                       # XLA:CPU: select.cc
+    return dispatch.top_k(scores_BKS, k)                                         # XLA:CPU: select.cc
   n_blocks = -(-s // block)
   lead = scores_BKS.shape[:-1]
   padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)

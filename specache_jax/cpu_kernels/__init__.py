@@ -26,7 +26,8 @@ The C++ sources are compiled on first use, into one library, with the machine's 
 (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_jax/kernels`) keyed by the sources, the jaxlib version
 and the compiler. Where that fails (no compiler) the models keep XLA's ops and `status()` says why;
 `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
-XLA's ops for every other platform (`specache_jax.dispatch` chooses, by `lax.platform_dependent`).
+XLA's ops for every other platform (`specache_jax.dispatch` chooses, by `lax.platform_dependent`; `dense`:
+`dispatch.dense`).
 
 Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
 device multiplies its own rows), the weights are gathered where they are sharded (correct; the per-device
@@ -181,29 +182,26 @@ def use_kernel(rows: int, transposed: bool) -> bool:
   return lo <= rows <= hi
 
 
-def dense(x, *ws, transposed: bool = False):
-  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> [..., N_i]: the model's weight
-  products (an array for one weight, a tuple for several: q/k/v or gate/up, which share their input).
-
-  On the CPU backend, float32 operands with few rows (`use_kernel`: a decoding step) take `skinny_matmul`, one
-  call for all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot. Where the
-  default backend is a GPU/TPU the kernel is not even built; where it is the CPU, a program lowered for another
-  platform still gets XLA's dot (`lax.platform_dependent`)."""
-  spec = "...d,nd->...n" if transposed else "...d,dn->...n"
+def dense_applies(x, ws, transposed: bool = False) -> bool:
+  """Whether `dense_kernel` takes x [..., D] times `ws`: float32 operands with few rows (`use_kernel`: a decoding
+  step) and the kernels built."""
   rows = x.size // x.shape[-1] if x.shape[-1] else 0
-
-  def xla(x, *ws):
-    return tuple(jnp.einsum(spec, x, w) for w in ws)
-
-  def kernel(x, *ws):
-    outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
-    return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
-
-  from specache_jax import dispatch      # which imports this package
   f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-  outs = dispatch.weight_products("auto", xla, kernel, (x, *ws),
-                                  applies=use_kernel(rows, transposed) and f32 and available())
-  return outs[0] if len(ws) == 1 else outs
+  return use_kernel(rows, transposed) and f32 and available()
+
+
+def dense_kernel(x, *ws, transposed: bool = False) -> tuple:
+  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> a tuple of [..., N_i], by
+  `skinny_matmul` (one call for all the weights; the rows keep their sharding on a CPU mesh)."""
+  rows = x.size // x.shape[-1]
+  outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
+  return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
+
+
+def dense_reference(x, *ws, transposed: bool = False) -> tuple:
+  """`dense_kernel` as XLA's dots."""
+  spec = "...d,nd->...n" if transposed else "...d,dn->...n"
+  return tuple(jnp.einsum(spec, x, w) for w in ws)
 
 
 @functools.cache

@@ -129,20 +129,6 @@ def argmax_reference(x):
   return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
-def top_k(x, k: int):
-  """int32 indices [..., k] of `lax.top_k(x, k)`: `top_k_indices`'s kernel on XLA:CPU for float32 x, lax.top_k for
-  other dtypes and in programs lowered for any other platform (XLA:CPU's TopK sorts the whole axis: 10.6 ms for
-  SmolLM2's 49152 logits, k = 3)."""
-  from specache_jax import dispatch      # which imports this module
-  return dispatch.top_k("auto", x, k)
-
-
-def greedy(x):
-  """The greedy token of logits [..., V] -> int32 [...]: `argmax`'s kernel on XLA:CPU for float32 logits,
-  jnp.argmax for other dtypes and in programs lowered for any other platform."""
-  from specache_jax import dispatch      # which imports this module
-  return dispatch.greedy("auto", x)
-
 
 def _check_take(buf, idx) -> None:
   if buf.ndim < 2 or idx.shape[:-1] != buf.shape[:-2] or not jnp.issubdtype(idx.dtype, jnp.integer):
