@@ -96,10 +96,12 @@ def test_an_explicit_family_is_refused_for_a_layout_its_kernel_does_not_take():
 
 
 @pytest.mark.parametrize("name,impl", [("specache_robust", "pallas_interpret"), ("kivi", "pallas_interpret"),
+                                       ("specache_robust", "pallas_tpu_interpret"), ("kivi", "pallas_tpu_interpret"),
                                        ("specache_robust", "auto"), ("kivi", "auto")])
 def test_every_family_gives_the_jnp_tokens(name, impl):
-  """The robust preset (3 speculative candidates: the kernels' prob_rows=3) and KIVI through the Triton kernel in
-  interpret mode and through "auto" (on the CPU: the XLA:CPU kernel) decode the jnp path's tokens."""
+  """The robust preset (3 speculative candidates: the kernels' prob_rows=3) and KIVI through the Triton and the
+  Mosaic TPU kernels in interpret mode and through "auto" (on the CPU: the XLA:CPU kernel) decode the jnp path's
+  tokens."""
   model = _model()
   prompts = random_prompts(7, [21, 34], model.config.vocab_size)
   run = lambda i: sj.generate(model, prompts, max_new_tokens=6, stop_tokens=(),  # noqa: E731
