@@ -101,13 +101,7 @@ def _loop_programs(model, method, shapes: Shapes):
     inp, cache, _ = decode.start(params, cfg, method, first, cache)
     cache = dec.per_layer(cache, cfg.n_layers)
     aux = jax.eval_shape(lambda c, i: dec.forward(layer_params, cfg, i, c, method, "decode")[2], cache, inp)
-    b = shapes.batch
-    return decode.DecodeState(
-        step=jnp.int32(1), cache=cache, inp=inp, tokens=jnp.zeros((b, shapes.new_tokens), jnp.int32),
-        done=jnp.zeros((b,), bool), num_tokens=jnp.ones((b,), jnp.int32), rng=jax.random.key(0),
-        stats=jax.tree.map(lambda s: jnp.zeros(s.shape[:1], jnp.float32), aux),
-        spec_hits=jnp.zeros((), jnp.float32), spec_steps=jnp.zeros((), jnp.float32),
-        record=jnp.full((3,), -1, jnp.int32))
+    return decode.begin_state(method, cache, first, inp, jax.random.key(0), spec, shapes.new_tokens, aux)
 
   def step(layer_params, state):
     return decode.decode_step(layer_params, cfg, method, state, spec)
