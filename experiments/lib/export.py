@@ -13,6 +13,7 @@ instead: one layer group's prefill and decode (`model.decoder.layer_forward` ove
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.lib import models
-from specache_jax import decode
+from specache_jax import cpu_kernels, decode
 from specache_jax.caches import cache_config
 from specache_jax.model import decoder as dec
 
@@ -71,7 +72,8 @@ def kernel_family(calls) -> str | None:
 def _cuda_target():
   """Pallas' Triton lowering reads the GPU from the mesh (jax >= 0.11): an abstract H200 (sm_90) without one."""
   gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+  auto = (jax.sharding.AxisType.Auto,)           # Explicit (the default) would type every array's sharding
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), axis_types=auto, abstract_device=gpu))
 
 
 def _abstract(tree):
@@ -170,19 +172,22 @@ def run(out_dir, platforms=PLATFORMS, methods=tuple(METHODS), phases=PHASES, sha
   out_dir.mkdir(parents=True, exist_ok=True)
   model = models.load(model_name)
   report = {}
-  for name in methods:
-    method = cache_config(**METHODS[name])
-    progs = programs(model, method, shapes)
-    for phase in phases:
-      fn, args = progs[phase]
-      for platform in platforms:
-        exported = export_one(fn, args, platform)
-        key = f"{name}.{phase}.{platform}"
-        (out_dir / f"{key}.mlirbc").write_bytes(exported.mlir_module_serialized)
-        if _can_serialize():
-          (out_dir / f"{key}.jaxexport").write_bytes(exported.serialize())
-        calls = custom_calls(exported.mlir_module())
-        report[key] = dict(custom_calls=calls, kernel=kernel_family(calls))
-        log(f"{key}: {', '.join(calls) or 'no custom calls'}")
+  # The programs are traced without the XLA:CPU kernels unless a cpu export is asked for: a cuda or tpu program
+  # never calls them, and their `custom_partitioning` cannot lower under the abstract GPU mesh (jax >= 0.11).
+  with contextlib.nullcontext() if "cpu" in platforms else cpu_kernels.disabled():
+    for name in methods:
+      method = cache_config(**METHODS[name])
+      progs = programs(model, method, shapes)
+      for phase in phases:
+        fn, args = progs[phase]
+        for platform in platforms:
+          exported = export_one(fn, args, platform)
+          key = f"{name}.{phase}.{platform}"
+          (out_dir / f"{key}.mlirbc").write_bytes(exported.mlir_module_serialized)
+          if _can_serialize():
+            (out_dir / f"{key}.jaxexport").write_bytes(exported.serialize())
+          calls = custom_calls(exported.mlir_module())
+          report[key] = dict(custom_calls=calls, kernel=kernel_family(calls))
+          log(f"{key}: {', '.join(calls) or 'no custom calls'}")
   (out_dir / "custom_calls.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
   return report

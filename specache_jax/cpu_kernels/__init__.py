@@ -36,6 +36,7 @@ weight bytes of a model-sharded layer are lost, acceptable for CPU meshes, which
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -80,6 +81,24 @@ def _load() -> tuple[bool, str]:
   except (RuntimeError, OSError) as e:
     return False, f"unavailable: {e}"
   return True, f"on ({lib})"
+
+
+@contextlib.contextmanager
+def disabled():
+  """Within: the kernels count as off (`SPECACHE_JAX_CPU_KERNELS=0`), so programs traced here hold only XLA's ops
+  on every platform (an export for another platform needs no CPU kernel, and jax >= 0.11 refuses the
+  `custom_partitioning` of `dense` under the abstract mesh a GPU export lowers with)."""
+  before = os.environ.get(ENV_SWITCH)
+  os.environ[ENV_SWITCH] = "0"
+  _load.cache_clear()
+  try:
+    yield
+  finally:
+    if before is None:
+      os.environ.pop(ENV_SWITCH, None)
+    else:
+      os.environ[ENV_SWITCH] = before
+    _load.cache_clear()
 
 
 def available() -> bool:
