@@ -36,6 +36,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.dtype = ""                      # "" keeps the checkpoint's dtype; or float32 | bfloat16 | float16
   c.methods = variants()            # label -> cache settings; references plus the SpeCache variants
   c.run_methods = ",".join(variants())   # labels run, in table order
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.run_parts = "niah,perplexity"   # which sweeps feed the table
   c.output_dir = "runs/ablations"     # niah/ and perplexity/ sub-sweeps, summary.md, results.json
   c.stop_after = 0                  # >0: stop once this many new cells are stored (both sweeps together)

@@ -24,6 +24,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.seed = 0                        # prompt tokens
   c.methods = methods.standard()    # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.reference = "full"              # ratios are to this label's numbers in the same cell
   c.target_context = 8192           # issue 3's target: SpeCache (simulated) step <= target_ratio x full here
   c.target_ratio = 1.5

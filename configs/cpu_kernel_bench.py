@@ -18,6 +18,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.rows = (1, 2, 4, 8)             # products: rows M
   c.methods = methods.standard()    # steps: label -> cache settings (experiments/lib/methods.py; jitted path)
   c.run_methods = "full,kivi_2bit,specache_1bit"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.contexts = (1024, 8192)         # layers and steps: cached tokens
   c.batches = (1, 2, 4)             # layers and steps: batch sizes
   c.rounds = 7                      # timed rounds (median reported)

@@ -23,6 +23,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.methods = dict(methods.standard(), **methods.robust())   # label -> cache settings (experiments/lib/methods.py)
   c.run_methods = "specache_1bit,specache_2bit"   # SpeCache labels only (track_hits is switched on); robust
                                                   # speculation: e.g. specache_1bit_eom,specache_1bit_robust
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.output_dir = "runs/hitrate"  # results.json (resumable), summary.md, hitrate.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored
   if arg == "gpu":

@@ -14,7 +14,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   if arg not in ("cpu", "test"):
     raise ValueError(f"config variant {arg!r} must be one of cpu, test")
   c = niah.get_config("test" if arg == "test" else "cpu")
-  for field in ("methods", "run_methods", "stop_after"):
+  for field in ("methods", "run_methods", "extra_methods", "stop_after"):
     del c[field]
   c.lengths = "1024,2048,4096" if arg == "cpu" else c.lengths
   c.depths = "0.1,0.25,0.5,0.75,0.9" if arg == "cpu" else c.depths

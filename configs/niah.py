@@ -29,12 +29,15 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_new_tokens = 24             # greedy answer length (stops earlier at EOS)
   # label -> cache settings (experiments/lib/methods.py): the paper's methods and SpeCache 1-bit's
   # robust-speculation variants, e.g. exact_on_miss (on a speculation miss, fetch the real token's own top-k
-  # synchronously; off in the paper's method), skip_ring, the robust preset (run them with --config.run_methods).
-  c.methods = dict(methods.standard(), **methods.robust())
+  # synchronously; off in the paper's method), skip_ring, the robust preset, and the retrieval baselines
+  # Quest and InfLLM at SpeCache 1-bit's device bytes (run them with --config.run_methods).
+  c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval())
   # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit and 2-bit (g64, R64,
   # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss, and
   # SpeCache 1-bit with the robust preset (docs/speculation.md).
   c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom,specache_1bit_robust"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/niah
   # (written with --config.output_dir=results/niah).
   c.output_dir = "runs/niah"        # results.json (resumable cells), summary.md, heatmap_<method>.png

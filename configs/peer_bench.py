@@ -44,6 +44,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
       specache_2bit=dict(SPECACHE, bits=2),
       specache_1bit_offload=dict(SPECACHE, bits=1, offload=True))
   c.run_methods = "full,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_offload"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.peers = dict(                   # the peer's: label -> transformers cache (lib/bench/peer.py HFRunner)
       hf_dynamic=dict(cache="dynamic"),
       hf_quanto_2bit=dict(cache="quanto", nbits=2, q_group_size=64, residual_length=128))

@@ -29,12 +29,14 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.window_tokens = 2048            # tokens per window (positions 0 .. window_tokens-1)
   c.prefix_tokens = 512             # prefilled at once; every later token goes through the cache's decode path
   c.buckets = "0-1024,1024-2048"    # position buckets [lo, hi) for the table
-  # label -> cache settings (experiments/lib/methods.py:standard), plus SpeCache with an oracle speculative
-  # row (spec_row="text": the text's true next token instead of the model's own guess).
-  c.methods = dict(methods.standard(), **methods.robust(),     # robust labels: issue 14's variants
+  # label -> cache settings (experiments/lib/methods.py: standard, robust, retrieval), plus SpeCache with an
+  # oracle speculative row (spec_row="text": the text's true next token instead of the model's own guess).
+  c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval(),   # robust: issue 14's variants
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),
                    specache_2bit_oracle=dict(methods.standard()["specache_2bit"], spec_row="text"))
   c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.output_dir = "runs/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
   c.stop_after = 0                  # >0: stop once this many new cells are stored (split a long sweep; tests)
   if arg == "long":                 # SmolLM2's whole 8k context on this CPU: 20–40 min per method

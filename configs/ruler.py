@@ -32,11 +32,14 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.batch_size = 1                  # rows per sj.generate call (the last batch is padded to this many)
   c.max_new_tokens_cap = 0          # 0 = each task's RULER budget (niah 128, vt 30, cwe 120, fwe 50, qa 32)
   # label -> cache settings (experiments/lib/methods.py): the paper's methods and SpeCache 1-bit's
-  # speculation variants (exact_on_miss, skip_ring, the robust preset, ...; run them with --config.run_methods).
-  c.methods = dict(methods.standard(), **methods.robust())
+  # speculation variants (exact_on_miss, skip_ring, the robust preset, ...) and the retrieval baselines
+  # Quest and InfLLM at SpeCache 1-bit's device bytes (run them with --config.run_methods).
+  c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval())
   # Labels run, in order: the 16-bit reference, KIVI 1/2-bit (g64, R128), SpeCache 1/2-bit (g64, R64, k64),
   # SpeCache 1-bit with exact_on_miss, StreamingLLM and H2O sized to SpeCache 1-bit's device bytes.
   c.run_methods = ("full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_eom,streaming,h2o")
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/ruler
   # (written with --config.output_dir=results/ruler).
   c.output_dir = "runs/ruler"       # results.json (resumable cells), summary.md, heatmap.png

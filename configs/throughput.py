@@ -31,6 +31,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
       specache_offload=dict(SPECACHE, offload=True),
       specache_offload_nonspec=dict(SPECACHE, offload=True, speculative=False))
   c.run_methods = "full,kivi_2bit,specache_sim,specache_offload,specache_offload_nonspec"
+  c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
+                                    # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.reference = "full"              # ratios are to this label in the same (context, batch) cell
   c.max_seconds = 2400              # cells not started by then are recorded as skipped
   c.overlap = ml_collections.ConfigDict()

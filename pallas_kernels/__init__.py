@@ -13,11 +13,9 @@ import jax
 # Code widths the packed layout supports (docs/design.md: b in {1, 2, 4, 8}), here and in specache_jax.quant.
 BITS = (1, 2, 4, 8)
 
-# How attention over the low-bit cache is computed: plain jnp, the Pallas kernels compiled for the GPU,
-# or the same kernels in Pallas interpret mode (any backend, slow; for tests).
-ATTENTION_IMPLS = ("jnp", "pallas", "pallas_interpret")
 
 
 def default_attention_impl() -> str:
-  """"pallas" on a GPU backend, else "jnp" (Pallas runs only in interpret mode on the CPU)."""
-  return "pallas" if jax.default_backend() == "gpu" else "jnp"
+  """The explicit `attention_impl` (specache_jax.dispatch) of this backend's Pallas kernels: "pallas" (Triton)
+  on a GPU, "pallas_tpu" (Mosaic) on a TPU, else "jnp" (Pallas runs only in interpret mode on the CPU)."""
+  return {"gpu": "pallas", "tpu": "pallas_tpu"}.get(jax.default_backend(), "jnp")

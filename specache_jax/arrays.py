@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specache_jax import dispatch
+
 # The dtypes weights (and so activations and 16-bit caches) may have, by name: checkpoints load to them, the
 # decoder runs them, configs name them (float64 runs too when jax_enable_x64 is on; validation says so).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -26,8 +28,8 @@ def fusion_barrier(tree, holds):
   otherwise recompute an expensive producer per element of a large consumer (an `optimization_barrier` does not
   survive its pipeline; a conditional does). Other platforms get the tree as is (`lax.platform_dependent`,
   resolved when lowering): a GPU conditional copies its predicate to the host and waits for it."""
-  return jax.lax.platform_dependent(tree, holds, cpu=lambda t, h: jax.lax.cond(h, lambda x: x, _zeros, t),
-                                    default=lambda t, h: t)
+  return dispatch.on_cpu_only(tree, holds, cpu=lambda t, h: jax.lax.cond(h, lambda x: x, _zeros, t),
+                              default=lambda t, h: t)
 
 
 def _zeros(tree):

@@ -34,7 +34,7 @@ from flax import struct
 from specache_jax import guards, history, sharding
 from specache_jax.caches.base import Cache, CacheConfig
 from specache_jax.caches.speculation import observe as _observe
-from specache_jax.cpu_kernels import select as cpu_select
+from specache_jax import dispatch as cpu_select      # greedy, top_k: the kernel choice
 from specache_jax.model import decoder
 from specache_jax.model_config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""The host-memory 16-bit KV store, its asynchronous top-k row fetch, and the up-front memory plan.
+"""The host-memory 16-bit KV store, its asynchronous top-k row fetch, and the memory plan (memory_plan.py).
 
 Two stores behind one interface (`write_prompt`, `write_block`, `fetch` of a group of consecutive layers' κ
 rows; the result's item i is layer i of the group's (k, v) rows, a pair or one [2, B, K, X, H] array):
@@ -23,10 +23,8 @@ Axis letters as in caches/attention.py; X = k rows fetched per KV head.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
@@ -34,156 +32,13 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specache_jax import sharding
-from specache_jax.arrays import Ready, tree_nbytes
-from specache_jax.caches.attention import PrefillBlocks
-from specache_jax.caches.specache import HOST_STORES
+from specache_jax import multiprocess, sharding
+from specache_jax.arrays import Ready
 from specache_jax.host_worker import (  # noqa: F401 (the errors and the setting, importable from here too)
     FETCH_TIMEOUT_ENV, HostFetchTimeout, HostStoreError, PendingFetch, Worker, resolve_fetch_timeout)
-from specache_jax.model.decoder import ROW_CHUNK
-
-class MemoryPlanError(ValueError):
-  """A run that cannot fit, with the numbers (needed vs available)."""
-
-
-def _host_available_bytes() -> int:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _device_available_bytes(device) -> int | None:
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and "bytes_limit" in stats:
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-  return None
-
-
-PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"   # XLA's GPU client caps its pinned host pool (GiB)
-PINNED_LIMIT_DEFAULT_GIB = 64
-
-
-def pinned_limit_bytes(platform: str) -> int | None:
-  """The pinned host pool a `pinned_host` store allocates from: on GPU, XLA's cap ($XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB,
-  64 GiB by default); elsewhere no separate cap (None)."""
-  if platform not in ("gpu", "cuda", "rocm"):
-    return None
-  raw = os.environ.get(PINNED_LIMIT_ENV, "")
-  try:
-    gib = float(raw) if raw else PINNED_LIMIT_DEFAULT_GIB
-  except ValueError:
-    raise MemoryPlanError(f"{PINNED_LIMIT_ENV}={raw!r} must be a number of GiB") from None
-  return int(gib * 2**30)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-  device_bytes: int            # weights + device cache state + activation peak
-  host_bytes: int              # the complete 16-bit cache
-  device_available: int | None
-  host_available: int
-  shared_memory: bool          # CPU backend: "device" and host are the same RAM
-  store: str = "numpy"         # the host store's kind (resolve_store_kind): where host_bytes live
-  pinned_limit: int | None = None   # the pinned pool's cap when the store is pinned_host (GPU), else None
-  prefill_rows: int = 0        # sequences prefilled at a time (the runtime's batch chunks); 0: not planned
-  activation_bytes: int = 0    # of device_bytes: the prefill activations of prefill_rows sequences
-
-  def check(self) -> None:
-    gib = lambda n: f"{n / 2**30:.2f} GiB"
-    if self.shared_memory:
-      need = self.device_bytes + self.host_bytes
-      if need > self.host_available:
-        raise MemoryPlanError(f"the run needs {gib(need)} (device {gib(self.device_bytes)} + host "
-                              f"{gib(self.host_bytes)}) but only {gib(self.host_available)} of RAM is available")
-      return
-    if self.device_available is not None and self.device_bytes > self.device_available:
-      part = (f" (of which the prefill's activations for {self.prefill_rows} sequence(s) at a time: "
-              f"{gib(self.activation_bytes)})" if self.prefill_rows else "")
-      raise MemoryPlanError(f"the run needs {gib(self.device_bytes)} of accelerator memory{part} but only "
-                            f"{gib(self.device_available)} is available")
-    if self.host_bytes > self.host_available:
-      raise MemoryPlanError(f"the 16-bit cache needs {gib(self.host_bytes)} of host memory but only "
-                            f"{gib(self.host_available)} is available")
-    if self.store == "pinned_host" and self.pinned_limit is not None and self.host_bytes > self.pinned_limit:
-      raise MemoryPlanError(
-          f"the 16-bit cache needs {gib(self.host_bytes)} of pinned host memory but XLA's pinned pool is capped "
-          f"at {gib(self.pinned_limit)} (raise {PINNED_LIMIT_ENV}, up to the {gib(self.host_available)} "
-          f"available, or use host_store='numpy', which keeps the cache in pageable RAM)")
-
-
-def prefill_activation_bytes(model_cfg, batch: int, prompt_len: int, dtype,
-                             blocks: PrefillBlocks = PrefillBlocks()) -> int:
-  """Peak transient bytes of one prefill layer as it is computed (the largest phase; layers run one at a time):
-
-    every prompt row holds  x in and out, q, k, v (dtype) + float32 q, keys, values and attention output of
-                            the blockwise attention (caches/attention.prefill_attention);
-    one row piece           the SwiGLU's gate, up and product for ROW_CHUNK rows (decoder.in_row_chunks), f32;
-    one attention tile      logits, probabilities and mask of block_q·G rows x block_k keys per KV head, f32;
-  plus the last row's logits (f32, a few copies). An upper bound on what XLA:CPU allocates (checked against
-  its memory analysis in tests/test_offload.py); not checked against a GPU compilation (none here)."""
-  c, item = model_cfg, jnp.dtype(dtype).itemsize
-  q_width, kv_width = c.n_heads * c.head_dim, 2 * c.n_kv_heads * c.head_dim
-  rows = batch * prompt_len
-  per_row = (2 * c.dim + q_width + kv_width) * item + (2 * q_width + kv_width) * 4
-  piece = min(rows, ROW_CHUNK) * 3 * c.ffn_dim * 4
-  tile = batch * c.n_kv_heads * min(prompt_len, blocks.block_q) * (c.n_heads // c.n_kv_heads) * \
-      min(prompt_len, blocks.block_k) * 4 * 3
-  return int(rows * per_row + piece + tile + batch * c.vocab_size * 4 * 4)
-
-
-@functools.lru_cache(maxsize=64)
-def _state_bytes(model_cfg, method, batch: int, max_len: int, dtype) -> int:
-  """Bytes of the method's state (from its shapes: a trace, kept per shape so a repeated plan traces nothing)."""
-  return tree_nbytes(jax.eval_shape(lambda: method.impl.init(method, model_cfg, batch, max_len, dtype)))
-
-
-def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prompt_len: int,
-                device=None, host_available: int | None = None, device_available: int | None = None,
-                platform: str | None = None, pinned_limit: int | None = None,
-                prefill_rows: int | None = None) -> MemoryPlan:
-  """Sizes from shapes alone (jax.eval_shape; `params` may be ShapeDtypeStructs), computed before anything is
-  allocated. platform / pinned_limit: default from `device` and the environment (override to plan for a
-  machine other than this one). prefill_rows: sequences the runtime prefills at a time; None picks the most
-  (up to `batch`) whose activations fit the accelerator next to the weights and the cache (all of them when
-  its free memory is unknown or shared with the host), at least 1 — `check` then refuses a run that does not
-  fit even one at a time."""
-  device = device or jax.devices()[0]
-  platform = platform or device.platform
-  nbytes = tree_nbytes
-  resident = nbytes(params) + _state_bytes(model_cfg, method, batch, max_len, jnp.dtype(dtype))
-  host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
-      jnp.dtype(dtype).itemsize
-  device_available = device_available if device_available is not None else _device_available_bytes(device)
-  shared = platform == "cpu"
-  act = lambda rows: int(prefill_activation_bytes(model_cfg, rows, prompt_len, dtype))
-  if prefill_rows is None:
-    prefill_rows = batch
-    if device_available is not None and not shared:
-      while prefill_rows > 1 and resident + act(prefill_rows) > device_available:
-        prefill_rows -= 1
-  elif isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or not 1 <= prefill_rows <= batch:
-    raise ValueError(f"prefill_rows={prefill_rows!r} must be an int in [1, batch={batch}]")
-  return MemoryPlan(
-      device_bytes=resident + act(prefill_rows), host_bytes=int(host), device_available=device_available,
-      host_available=host_available if host_available is not None else _host_available_bytes(),
-      shared_memory=shared, store=resolve_store_kind(method.host_store),
-      pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform),
-      prefill_rows=prefill_rows, activation_bytes=act(prefill_rows))
-
-
-def resolve_store_kind(kind: str) -> str:
-  if kind not in HOST_STORES:
-    raise ValueError(f"host_store={kind!r} must be one of {HOST_STORES}")
-  # auto = the host-worker store everywhere: its gathers and writes never enter the device's compute stream
-  # (pinned_host's host programs queue behind layer l on a GPU, where device code also cannot index pinned_host
-  # arrays, jax#34041), and on this CPU it is the faster one too (SmolLM2 shapes, S=8192, B=1: 111 vs 119 ms per
-  # offloaded step). pinned_host stays available by name.
-  return "numpy" if kind == "auto" else kind
+from specache_jax.memory_plan import (  # noqa: F401 (the runtime's plan, importable from here too)
+    PINNED_LIMIT_DEFAULT_GIB, PINNED_LIMIT_ENV, MemoryPlan, MemoryPlanError, pinned_limit_bytes, plan_memory,
+    prefill_activation_bytes, resolve_store_kind)
 
 
 # ----- pinned_host store: host computations on host-memory arrays -----
@@ -306,6 +161,15 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
   return raw[off:off + size * dtype.itemsize].view(dtype).reshape(shape)
 
 
+def _start_copies(arrays) -> None:
+  """Start each device array's copy to the host (`copy_to_host_async`) as its producer is dispatched: the
+  worker's np.asarray then waits for the producer's compute and no transfer, and the dispatching thread, which
+  only queues the job, never waits for either. Numpy arrays pass through."""
+  for a in arrays:
+    if isinstance(a, jax.Array):
+      a.copy_to_host_async()
+
+
 class NumpyHostStore:
   kind = "numpy"
 
@@ -340,6 +204,7 @@ class NumpyHostStore:
 
   def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
     """The prompt's k/v [n, T, K, H] of sequences row0..row0+n-1, at positions 0..T-1."""
+    _start_copies((k_BTKH, v_BTKH))
     def job():
       k, v = np.asarray(k_BTKH).swapaxes(1, 2), np.asarray(v_BTKH).swapaxes(1, 2)
       self.k[layer][row0:row0 + k.shape[0], :, :k.shape[2]] = k
@@ -348,6 +213,7 @@ class NumpyHostStore:
 
   def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
     """Batch rows `rows` (numpy ints) of k/v [B, K, T, H] at positions start_B[b] .. + T (numpy [B])."""
+    _start_copies((k_BKTH, v_BKTH))
     def job():
       k, v = np.asarray(k_BKTH), np.asarray(v_BKTH)
       for b in rows:
@@ -371,6 +237,7 @@ class NumpyHostStore:
     if list(layers) != list(range(layers[0], layers[0] + len(layers))) or len(kappas_BKX) != len(layers):
       raise ValueError(f"fetch needs consecutive layers with one κ each; got layers {layers} and "
                        f"{len(kappas_BKX)} κ arrays")
+    _start_copies(kappas_BKX)
     def job():
       self._raise_failed_write()
       return self.gather(layers, kappas_BKX)
@@ -397,7 +264,7 @@ class _MeshPlacement:
 
   def _place(self, mesh):
     self.mesh = mesh
-    self.device = mesh.devices.flat[0]
+    self.device = sharding.first_local_device(mesh)
     self.on_device = NamedSharding(mesh, P("data", "model", None, None), memory_kind="device")
     self.host = NamedSharding(mesh, P("data", "model", None, None), memory_kind="pinned_host")
     self.on_device_kv = NamedSharding(mesh, P(None, None, "data", "model", None, None), memory_kind="device")
@@ -418,24 +285,81 @@ class MeshPinnedHostStore(_MeshPlacement, PinnedHostStore):
 
 
 class MeshNumpyHostStore(_MeshPlacement, NumpyHostStore):
-  """NumpyHostStore (this process's RAM: single host only) whose fetched blocks land sharded."""
+  """NumpyHostStore on a mesh: this process's RAM holds only its devices' blocks (rows on data x KV heads on
+  model, one buffer per addressable device), written from the local shards and gathered per device into one
+  [G, 2, B, K, X, H] array sharded on (data, model): nothing crosses processes."""
 
   def __init__(self, mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s: float | None = None):
-    NumpyHostStore.__init__(self, n_layers, batch, n_kv, slots, head_dim, dtype, mesh.devices.flat[0],
-                            fetch_timeout_s)
+    NumpyHostStore.__init__(self, n_layers, 0, n_kv, slots, head_dim, dtype, sharding.first_local_device(mesh),
+                            fetch_timeout_s)          # its worker, and no rows: the blocks below hold them
     self._place(mesh)
+    self.global_shape = (batch, n_kv, slots, head_dim)
+    index = self.on_device.addressable_devices_indices_map(self.global_shape)
+    self.shards = []                   # (device, rows slice, KV heads slice, [L, 2, b, k, S, H] buffer)
+    for device, idx in index.items():
+      b, k = (slice(*sl.indices(n)[:2]) for sl, n in zip(idx[:2], (batch, n_kv)))
+      shape = (n_layers, 2, b.stop - b.start, k.stop - k.start, slots, head_dim)
+      self.shards.append((device, b, k, np.zeros(shape, jnp.dtype(dtype))))
+
+  def write_prompt(self, layer, k_BTKH, v_BTKH, row0: int = 0):
+    def job():
+      n, t = k_BTKH.shape[:2]
+      for _, b, k, buf in self.shards:
+        lo, hi = max(b.start, row0), min(b.stop, row0 + n)
+        if lo < hi:
+          rows = slice(lo - row0, hi - row0)
+          for i, x in enumerate((k_BTKH, v_BTKH)):
+            buf[layer, i, lo - b.start:hi - b.start, :, :t] = sharding.local_block(x, rows, k, 2).swapaxes(1, 2)
+    self._write(f"prompt write of layer {layer}", job)
+
+  def write_block(self, layer, k_BKTH, v_BKTH, start_B, rows):
+    def job():
+      t = k_BKTH.shape[2]
+      for _, b, k, buf in self.shards:
+        mine = [int(r) for r in rows if b.start <= r < b.stop]
+        if not mine:
+          continue
+        blocks = [sharding.local_block(x, b, k, 1) for x in (k_BKTH, v_BKTH)]
+        for r in mine:
+          for i, x in enumerate(blocks):
+            buf[layer, i, r - b.start, :, start_B[r]:start_B[r] + t] = x[r - b.start]
+    self._write(f"block write of layer {layer}", job)
+
+  def gather(self, layers: tuple[int, ...], kappas_BKX):
+    """On the worker: per addressable device, its rows at its κ -> one [G, 2, B, K, X, H] array on the mesh."""
+    g, x = len(layers), kappas_BKX[0].shape[-1]
+    parts = []
+    for device, b, k, buf in self.shards:
+      idx = np.stack([sharding.local_block(kappa, b, k, 1) for kappa in kappas_BKX])[:, None]   # [G, 1, b, k, X]
+      rows = take_rows(buf[layers[0]:layers[-1] + 1], idx)
+      parts.append(jax.device_put(rows, device, may_alias=True))
+    shape = (g, 2, self.global_shape[0], self.global_shape[1], x, self.global_shape[3])
+    return jax.make_array_from_single_device_arrays(shape, self.on_device_kv, parts)
+
+  def arrays(self):
+    """This process's blocks after the queued writes: per addressable device K [L, b, k, S, H], then V."""
+    NumpyHostStore.arrays(self)
+    return [buf[:, i] for i in (0, 1) for _, _, _, buf in self.shards]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes this process holds (its devices' blocks)."""
+    return int(sum(buf.nbytes for *_, buf in self.shards))
 
 
 def make_store(kind: str, n_layers, batch, n_kv, slots, head_dim, dtype, device=None, mesh=None,
                fetch_timeout_s: float | None = None):
-  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given.
-  fetch_timeout_s: the numpy store's limit on one wait for a fetch (`resolve_fetch_timeout`)."""
-  device = mesh.devices.flat[0] if mesh is not None else (device or jax.devices()[0])
+  """The host store of `kind` (`resolve_store_kind`: auto is numpy), laid out on `mesh` when given (each process
+  then holds its own devices' blocks). fetch_timeout_s: the numpy store's limit on one wait for a fetch
+  (`resolve_fetch_timeout`)."""
   kind = resolve_store_kind(kind)
   if mesh is not None:
     if kind == "pinned_host":
       return MeshPinnedHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype)
-    return MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
+    store = MeshNumpyHostStore(mesh, n_layers, batch, n_kv, slots, head_dim, dtype, fetch_timeout_s)
+    multiprocess.close_at_shutdown(store)
+    return store
+  device = device or jax.local_devices()[0]
   if kind == "pinned_host":
     return PinnedHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device)
   return NumpyHostStore(n_layers, batch, n_kv, slots, head_dim, dtype, device, fetch_timeout_s)

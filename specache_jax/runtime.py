@@ -17,7 +17,14 @@ not free. Step t, group g (all calls return at once under JAX's asynchronous dis
      — before group g+1 is dispatched, so the transfer runs while groups g+1.. of step t compute; it is
      needed only by group g of step t+1.
 Then the step's tail is the jitted loop's (`decode.finish_step`, one call): sampling, stop tokens, the next input,
-the speculation outcome and the method's statistics on a `decode.DecodeState`. The SpeCache step itself is
+the speculation outcome and the method's statistics on a `decode.DecodeState`, all left on the device.
+
+Host reads. The dispatching thread reads a device value only through `OffloadRuntime.read` (counted in
+`host_reads`), and only where the algorithm needs it: exact_on_miss reads whether any row missed before the next
+step's attention; `generate` reads the stop condition once every `sync_every` steps, from a flag whose copy to the
+host started a step earlier (extra steps past all-done only write the pad id). A speculative step that hits reads
+nothing: the κ it needs next arrives through the host store's worker (the numpy store starts each κ's copy to the
+host as the group is dispatched, so the worker's read does not hold the dispatching thread). The SpeCache step itself is
 written once, in caches/specache.py, reached through `method.impl` (`with_fetched`, `kappa_for_step`,
 `fetches_on_critical_path`); here only the fetches differ (host store instead of a device gather).
 """
@@ -163,14 +170,9 @@ def _finish(params, x_BWD, auxes, state, tokens_BS, spec, *, cfg, method):
   return state.replace(cache=after.replace(tokens=None))
 
 
-def _waits_for_kappa(method, miss_B) -> bool:
-  """Whether a step chooses its κ_t from the real row and waits for that fetch (`_critical_path_group`): the
-  non-speculative ablation every step, exact_on_miss when some row's guesses all missed (miss_B, read on the host: numpy or a device array)."""
-  if not method.impl.fetches_on_critical_path(method):
-    return False
-  if not method.speculation.speculative:
-    return True
-  return miss_B is not None and bool(np.any(np.asarray(miss_B)))
+_all_done = jax.jit(jnp.all)          # the stop condition as a fresh scalar (the state's `done` is donated)
+
+SYNC_EVERY = 8            # decoding steps between `generate`'s reads of the stop condition (OffloadRuntime's default)
 
 
 class OffloadRuntime:
@@ -183,19 +185,30 @@ class OffloadRuntime:
     one host gather and one transfer. 1 would fetch every layer only after the whole step: keep it >= 2.
   prefill_rows: sequences prefilled at a time (each chunk runs all layers; its activations are what the memory
     plan counts); None: the most that fit the accelerator next to the weights and the cache
-    (`offload.plan_memory`). Not on a mesh (the batch is sharded there): every sequence at once."""
+    (`offload.plan_memory`). Not on a mesh (the batch is sharded there): every sequence at once.
+  sync_every: `generate` reads whether every row is done once every this many decoding steps (a flag issued
+    after such a step, its copy to the host started then, read after the next step is dispatched): up to
+    sync_every steps run past the last row's stop token, writing the pad id (tokens and statistics unchanged).
+
+  host_reads counts the device -> host reads of the dispatching thread (`read`): the stop checks, prefill's
+  lengths and exact_on_miss's miss flags; a speculative step that hits makes none."""
 
   def __init__(self, params, cfg, method, batch: int, max_len: int, prompt_len: int | None = None,
                device=None, check_memory: bool = True, mesh: Mesh | None = None, check_numerics: bool = False,
-               dispatch_groups: int = DISPATCH_GROUPS, prefill_rows: int | None = None):
+               dispatch_groups: int = DISPATCH_GROUPS, prefill_rows: int | None = None,
+               sync_every: int = SYNC_EVERY):
     if not method.offload:
       raise ValueError(f"the offload runtime needs a SpeCache config with offload=True; got {method!r}")
     self.cfg, self.method, self.batch, self.max_len = cfg, method, batch, max_len
     self.groups = layer_groups(cfg.n_layers, dispatch_groups)
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+      raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (decoding steps between stop checks)")
+    self.sync_every = sync_every
+    self.host_reads = 0          # device -> host reads on the dispatching thread (`read`)
     self.mesh, self.check_numerics = mesh, check_numerics
     if mesh is not None:
       params = sharding.shard_params(params, cfg, mesh)
-      device = mesh.devices.flat[0]
+      device = sharding.first_local_device(mesh)
     self.device = device or jax.devices()[0]
     self.dtype = params["embed"].dtype
     if mesh is not None and prefill_rows not in (None, batch):
@@ -228,6 +241,24 @@ class OffloadRuntime:
                                     self.method.slots(self.max_len), self.cfg.head_dim, self.dtype, self.device,
                                     mesh=self.mesh)
 
+  def read(self, x) -> np.ndarray:
+    """x on the host (for a device array, a wait for it on the dispatching thread, counted in `host_reads`): every
+    device -> host read the runtime makes goes through here."""
+    if isinstance(x, jax.Array):
+      self.host_reads += 1
+    return np.asarray(x)
+
+  def _waits_for_kappa(self, miss_B) -> bool:
+    """Whether a step chooses its κ_t from the real row and waits for that fetch (`_critical_path_group`): the
+    non-speculative ablation every step, exact_on_miss when some row's guesses all missed (miss_B, numpy or a
+    device array: read on the host, the one read the algorithm needs before the step's attention)."""
+    method = self.method
+    if not method.impl.fetches_on_critical_path(method):
+      return False
+    if not method.speculation.speculative:
+      return True
+    return miss_B is not None and bool(np.any(self.read(miss_B)))
+
   def device_bytes(self) -> int:
     return int(sum(self.method.device_bytes(s) for s in self.states))
 
@@ -239,7 +270,7 @@ class OffloadRuntime:
   def prefill(self, tokens_BT, lengths_B):
     self._init()
     self._step_index = 0
-    self._stored = np.asarray(lengths_B).astype(np.int64)
+    self._stored = self.read(lengths_B).astype(np.int64)
     if self.method.speculation.keeps_tokens:
       self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
                                          jnp.asarray(tokens_BT))
@@ -307,7 +338,7 @@ class OffloadRuntime:
     self._step_index += 1
     obs = _observation(None if miss_B is None else jnp.asarray(miss_B), self.tokens, lengths_B, inp_BW,
                        method=method)
-    sync = _waits_for_kappa(method, miss_B)
+    sync = self._waits_for_kappa(miss_B)
     x, rope = _embed(self.params, inp_BW, lengths_B, cfg=self.cfg, method=self.method, phase="decode")
     if self.tokens is not None:                                          # the real row is stored at lengths
       self.tokens = _record(self.tokens, inp_BW, lengths_B)
@@ -347,7 +378,10 @@ class OffloadRuntime:
     donated."""
     miss = state.missed if self.method.speculation.width > 1 else None
     x, auxes, pending = self.step(state.inp, state.cache.lengths, pending, miss)
-    return _finish(self.params, x, auxes, state, self.tokens, spec, cfg=self.cfg, method=self.method), pending
+    state = _finish(self.params, x, auxes, state, self.tokens, spec, cfg=self.cfg, method=self.method)
+    if self.method.speculation.exact_on_miss:
+      state.missed.copy_to_host_async()              # the next step reads it (`_waits_for_kappa`)
+    return state, pending
 
   def generate(self, tokens_BT, lengths_B, max_new_tokens: int, rng, temperature=0.0, top_p=1.0,
                stop_tokens=(), pad_id=0, clock=None, out_width=None) -> decode.GenerateOutput:
@@ -357,8 +391,20 @@ class OffloadRuntime:
     state, pending = self.begin(tokens_BT, lengths_B, rng, spec, max(out_width or 0, max_new_tokens))
     if clock is not None:
       clock.first_token(state.tokens)
-    for _ in range(1, max_new_tokens):
-      if np.all(np.asarray(state.done)):                                   # the one sync of a step
-        break
+    flag = self._stop_flag(state)                      # read after step 1 is dispatched
+    for step in range(1, max_new_tokens):
       state, pending = self.advance(state, pending, spec)
+      if flag is not None:
+        if self.read(flag):                            # every row was done before this step: it wrote pad ids
+          break
+        flag = None
+      if step % self.sync_every == 0:
+        flag = self._stop_flag(state)
     return decode.output(state)
+
+  @staticmethod
+  def _stop_flag(state):
+    """Whether every row is done, as a device scalar whose copy to the host has started."""
+    flag = _all_done(state.done)
+    flag.copy_to_host_async()
+    return flag

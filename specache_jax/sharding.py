@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specache_jax import multiprocess
 from specache_jax.caches.base import Cache
 from specache_jax.model_config import ModelConfig
 
@@ -23,10 +24,10 @@ AXES = ("data", "model")
 
 
 def maybe_initialize_distributed(flag: bool, **kwargs) -> bool:
-  """Multi-host: call `jax.distributed.initialize(**kwargs)` when `flag` (launchers, before any jax op)."""
+  """Launchers: `multiprocess.initialize(**kwargs)` when `flag` (before any jax op)."""
   if not flag:
     return False
-  jax.distributed.initialize(**kwargs)
+  multiprocess.initialize(**kwargs)
   return True
 
 
@@ -42,6 +43,31 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
                      f"are available ({devices[0].platform if devices else 'none'})")
   return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
                        devices=devices[:need])
+
+
+def first_local_device(mesh: Mesh):
+  """The mesh's first device of this process (per-device queries such as memory stats need an addressable one)."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not local:
+    raise ValueError(f"the mesh {dict(mesh.shape)} holds no device of process {jax.process_index()}")
+  return local[0]
+
+
+def local_block(x, b: slice, k: slice, k_axis: int) -> np.ndarray:
+  """Rows b, KV heads k (on axis k_axis, B on axis 0) of a (sharded) jax or numpy array, read from a shard of
+  this process that holds them: never a cross-process transfer."""
+  if isinstance(x, np.ndarray):
+    return x[(b,) + (slice(None),) * (k_axis - 1) + (k,)]
+  for shard in x.addressable_shards:
+    sb, sk = shard.index[0], shard.index[k_axis]
+    b0, b1, _ = sb.indices(x.shape[0])
+    k0, k1, _ = sk.indices(x.shape[k_axis])
+    if b0 <= b.start and b.stop <= b1 and k0 <= k.start and k.stop <= k1:
+      local = (slice(b.start - b0, b.stop - b0),) + (slice(None),) * (k_axis - 1) + \
+          (slice(k.start - k0, k.stop - k0),)
+      return np.asarray(shard.data)[local]
+  raise ValueError(f"no shard of this process holds rows {b} and KV heads {k} of an array of shape {x.shape} "
+                   f"laid out as {x.sharding}: a host store needs the cache's (data, model) layout")
 
 
 def param_specs(cfg: ModelConfig) -> dict:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specache_jax import buckets, decode
+from specache_jax import buckets, decode, dispatch
 from specache_jax.arrays import DTYPES
 from specache_jax.caches.base import CacheConfig
 from specache_jax.errors import ConfigError
@@ -126,12 +126,15 @@ def check_stop_tokens(cfg: ModelConfig, stop_tokens) -> None:
 
 # ----- cache config and mesh -----
 
-def check_cache_config(method, cfg: ModelConfig, max_len: int) -> None:
+def check_cache_config(method, cfg: ModelConfig, max_len: int, platform: str | None = None) -> None:
+  """The cache config's rules, and its `attention_impl` against the backend (`dispatch.check_backend`; platform:
+  jax.default_backend() when None): an explicit kernel family the backend cannot run is refused here."""
   if not isinstance(method, CacheConfig):
     raise ConfigError(f"cache={method!r} must be a cache method config from sj.cache_config(...) or a name")
   if hasattr(method, "__post_init__"):
     method.__post_init__()               # the construction-time rules (bits, group sizes, k >= 0, budgets)
   method.validate(cfg, max_len)          # the rules that need the model and the length (g | H, k <= slots)
+  dispatch.check_backend(getattr(method, "attention_impl", "auto"), platform)
 
 
 def check_mesh(mesh, cfg: ModelConfig, batch: int) -> None:

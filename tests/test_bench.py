@@ -203,6 +203,16 @@ def test_overlap_measurement_returns_numbers_in_range(model):
     overlap.measure(model, sj.cache_config(**SMALL), 96, 2, 2, 2, 3, 16, 0)
 
 
+@pytest.mark.parametrize("every", [1, 4])
+def test_generate_loop_counts_the_runtimes_host_reads_per_step(model, every):
+  """The generate loop's host reads per step are its stop checks: one every `sync_every` steps."""
+  out = overlap.generate_loop(model, sj.cache_config(**SMALL, offload=True), context=96, batch=2, tokens=10,
+                              repeats=1, margin=16, seed=0, sync_every=every)
+  assert out["sync_every"] == every and out["host_reads_per_step"] == pytest.approx(1 / every)
+  assert out["dispatch_cpu_us_per_layer"] == pytest.approx(
+      out["dispatch_cpu_s"] / model.config.n_layers * 1e6)
+
+
 def test_resident_store_answers_with_the_rows_it_holds(model):
   """(a) of the overlap measurement runs the pipelined step's programs with rows held on the device: the store
   answers every fetch with the block fetched once, and a step installs exactly those rows."""

@@ -10,6 +10,7 @@ import pytest
 
 import specache_jax as sj
 from specache_jax import cpu_kernels as ck
+from specache_jax import dispatch
 from specache_jax.model import decoder
 from tests.tiny import random_prompts, tiny_model
 
@@ -72,8 +73,8 @@ def _custom_calls(fn, *args, platform=None):
 def test_dense_takes_the_kernel_for_decoding_rows_only():
   rng = np.random.default_rng(0)
   w, head = _rand(rng, 64, 96), _rand(rng, 200, 64)
-  proj = lambda x: ck.dense(x, w)
-  tied = lambda x: ck.dense(x, head, transposed=True)
+  proj = lambda x: dispatch.dense(x, w)
+  tied = lambda x: dispatch.dense(x, head, transposed=True)
   assert _custom_calls(proj, _rand(rng, 1, 2, 64)) == 1            # SpeCache B=1: the real + speculative row
   assert _custom_calls(proj, _rand(rng, 4, 1, 64)) == 1
   assert _custom_calls(proj, _rand(rng, 1, 1, 64)) == 1            # one row (batch 1, full cache)
@@ -82,7 +83,7 @@ def test_dense_takes_the_kernel_for_decoding_rows_only():
   assert _custom_calls(proj, _rand(rng, 1, 2, 64).astype(jnp.bfloat16)) == 0
   # Lowered for a GPU the CPU branch is not emitted (`platform_dependent`), so no unknown custom call there.
   assert _custom_calls(proj, _rand(rng, 1, 2, 64), platform="cuda") == 0
-  qkv = lambda x: ck.dense(x, w, w[:, :7], w[:, :5])
+  qkv = lambda x: dispatch.dense(x, w, w[:, :7], w[:, :5])
   assert _custom_calls(qkv, _rand(rng, 1, 2, 64)) == 1            # one call for the three
   x = _rand(rng, 3, 1, 64)
   np.testing.assert_allclose(np.asarray(jax.jit(proj)(x)), np.asarray(jnp.einsum("btd,dn->btn", x, w)),
@@ -127,7 +128,8 @@ def test_without_a_compiler_the_model_keeps_xla_dots(tmp_path):
           "from specache_jax import cpu_kernels as ck\n"
           "print(ck.available(), ck.status())\n"
           "x, w = jnp.ones((1, 2, 8)), jnp.ones((8, 4))\n"
-          "print(float(jax.jit(ck.dense)(x, w).sum()))\n")
+          "from specache_jax import dispatch\n"
+          "print(float(jax.jit(dispatch.dense)(x, w).sum()))\n")
   env = {"PATH": "/nonexistent", "CXX": "/bin/false", "SPECACHE_JAX_KERNEL_CACHE": str(tmp_path),
          "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -147,7 +149,7 @@ def test_dense_on_a_mesh_keeps_the_rows_sharded_and_gathers_sharded_weights():
   rng = np.random.default_rng(3)
   x = jax.device_put(_rand(rng, 4, 1, 64), NamedSharding(mesh, P("data")))
   w = jax.device_put(_rand(rng, 64, 96), NamedSharding(mesh, P(None, "model")))
-  fn = jax.jit(lambda x, w: ck.dense(x, w, w[:, :8]))
+  fn = jax.jit(lambda x, w: dispatch.dense(x, w, w[:, :8]))
   assert ck.TARGET in fn.lower(x, w).compile().as_text()          # each device runs the kernel
   y, y8 = fn(x, w)
   assert y.sharding.spec[0] == "data"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import specache_jax as sj
+from specache_jax import dispatch
 from specache_jax.caches import lowbit
 from tests.tiny import random_prompts, tiny_model
 
@@ -150,13 +151,13 @@ def test_ring_keys_kernel_equals_its_reference(bits, group_size):
   lengths = jnp.asarray([0, 7, 32, 61, 80], jnp.int32)
   args = (ring, codes, jnp.asarray(scale), jnp.asarray(zero), lengths)
   kw = dict(bits=bits, group_size=group_size)
-  got = np.asarray(jax.jit(lambda *a: rk.ring_keys(*a, **kw))(*args))
+  got = np.asarray(jax.jit(lambda *a: dispatch.ring_keys(*a, **kw))(*args))
   want = np.asarray(rk.ring_keys_reference(*args, **kw))
   assert got.shape == (b, n_kv, r, h) and np.isfinite(want[3]).all()
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(got[1, :, :7], np.asarray(ring)[1, :, :7])       # 16-bit slots: the ring's rows
-  cpu = jax.jit(lambda *a: rk.ring_keys(*a, **kw)).trace(*args).lower().as_text()
-  gpu = jax.jit(lambda *a: rk.ring_keys(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  cpu = jax.jit(lambda *a: dispatch.ring_keys(*a, **kw)).trace(*args).lower().as_text()
+  gpu = jax.jit(lambda *a: dispatch.ring_keys(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert ck.RING_KEYS_TARGET in cpu and ck.RING_KEYS_TARGET not in gpu
   with pytest.raises(ValueError, match="R=16 a multiple of group_size"):
-    rk.ring_keys(*args, bits=bits, group_size=32)
+    dispatch.ring_keys(*args, bits=bits, group_size=32)

@@ -52,12 +52,30 @@ def test_runtime_ranges_hold_every_pin_of_requirements_txt():
                 "requirements.txt vs [project] dependencies")
 
 
-def test_extras_hold_the_test_pins_and_the_pinned_accelerator_jax():
+def test_extras_hold_the_test_pins():
   extras = PYPROJECT["project"]["optional-dependencies"]
   _check_ranges(_by_name(extras["test"]), fresh_venv.pins("requirements-test.txt"),
                 "requirements-test.txt vs the [test] extra")
-  jax = fresh_venv.pins("requirements.txt")["jax"]
-  assert extras["gpu"] == [f"jax[cuda12]=={jax}"] and extras["tpu"] == [f"jax[tpu]=={jax}"], extras
+
+
+JAX_RANGE_HOLDS = ("0.10.2", "0.11.0", "0.11.2", "0.11.9")     # the lock, the 0.11 line (tools/test_jax011.sh)
+JAX_RANGE_EXCLUDES = ("0.10.1", "0.12.0", "0.12.1")
+
+
+def test_jax_range_spans_the_lock_through_0_11_and_the_accelerator_extras_share_it():
+  """jax and jaxlib: a range (0.10.2 through 0.11.x), not a pin, so that `pip install .` keeps a runtime's jax; each
+  accelerator extra is jax's own extra (`[gpu]`: cuda12, `[gpu-cuda13]`: cuda13, `[tpu]`) over the same range."""
+  runtime = _by_name(PYPROJECT["project"]["dependencies"])
+  for name in ("jax", "jaxlib"):
+    spec = runtime[name].specifier
+    assert all(spec.contains(v) for v in JAX_RANGE_HOLDS), f"{name}{spec} must hold {JAX_RANGE_HOLDS}"
+    assert not any(spec.contains(v) for v in JAX_RANGE_EXCLUDES), f"{name}{spec} must exclude {JAX_RANGE_EXCLUDES}"
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  want = {"gpu": "cuda12", "gpu-cuda13": "cuda13", "tpu": "tpu"}
+  for extra, jax_extra in want.items():
+    (req,) = [Requirement(r) for r in extras[extra]]
+    assert req.name == "jax" and req.extras == {jax_extra}, (extra, str(req))
+    assert req.specifier == runtime["jax"].specifier, f"[{extra}]: {req} is not over the range of jax {runtime['jax']}"
 
 
 def test_assets_are_requirements_nodeps_txt_and_the_install_hints_match():
@@ -149,7 +167,8 @@ def test_wheel_holds_every_library_module_and_the_austen_texts_and_no_harness(di
   requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.MULTILINE)
   runtime = [r for r in requires if "extra ==" not in r]
   assert len(runtime) == len(PYPROJECT["project"]["dependencies"]), runtime
-  assert set(re.findall(r"^Provides-Extra: (.*)$", metadata, re.MULTILINE)) == {"test", "gpu", "tpu"}
+  assert set(re.findall(r"^Provides-Extra: (.*)$", metadata, re.MULTILINE)) == set(
+      PYPROJECT["project"]["optional-dependencies"])
 
 
 def test_sdist_holds_what_building_the_wheel_needs(dist):

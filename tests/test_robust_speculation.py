@@ -204,7 +204,6 @@ def test_default_state_carries_no_speculative_query():
     (dict(candidates=0), "candidates=0"), (dict(lookup=-1), "lookup=-1"), (dict(anchor_match=0), "anchor_match=0"),
     (dict(candidates=2, speculative=False), "candidates=2 are speculative rows; they need speculative=True"),
     (dict(lookup=2, speculative=False), "lookup=2 adds a speculative guess; it needs speculative=True"),
-    (dict(candidates=2, attention_impl="pallas"), "candidates=2 needs attention_impl='jnp'"),
     (dict(lowbit_in_output="no"), "lowbit_in_output='no' must be a bool"),
     (dict(exact_ring=1), "exact_ring=1 must be a bool"),
     (dict(correct_with_fetched=1, exact_on_miss=True), "correct_with_fetched=1 must be a bool"),

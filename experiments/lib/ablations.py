@@ -22,7 +22,7 @@ PARTS = ("niah", "perplexity")
 def part_config(config, part: str) -> ml_collections.ConfigDict:
   """The sub-sweep's own config: the shared fields plus `config.<part>`."""
   c = ml_collections.ConfigDict(config[part].to_dict())
-  for field in ("model", "dtype", "methods", "run_methods"):
+  for field in ("model", "dtype", "methods", "run_methods", "extra_methods"):
     c[field] = config[field]
   c.output_dir = str(pathlib.Path(config.output_dir) / part)
   c.stop_after = config.stop_after

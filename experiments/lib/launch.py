@@ -1,8 +1,12 @@
 """Flags every launcher shares (multi-host start-up, the device mesh) and the body of the sweep launchers
 (the benchmark launchers' is `bench/launch.py`).
 
-  --distributed      call `jax.distributed.initialize()` before anything else touches JAX (TPU slices, several
-                     GPU hosts; the coordinator comes from the environment, as JAX documents)
+  --distributed      join JAX's multi-process runtime before anything else touches JAX (specache_jax.multiprocess:
+                     bounded heartbeats, a clean exit, a failing process stops the others): one launcher per
+                     process, with --coordinator_address=HOST:PORT --num_processes=N --process_id=I, or
+                     $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID, or a cluster jax detects
+                     (TPU slices, SLURM). The mesh spans every process's devices; every process runs every cell
+                     and only process 0 writes the output folder.
   --mesh=DATA,MODEL  run generation on a ("data", "model") mesh: batch rows on data, attention/KV heads and the
                      MLP hidden dim on model (specache_jax.sharding); empty = one device
 """
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging as py_logging
+import os
 import shlex
+import shutil
 import sys
+import tempfile
 
 import jax
 from absl import app, flags, logging
@@ -22,7 +29,13 @@ from specache_jax.errors import ConfigError
 from specache_jax.offload import MemoryPlanError
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "multi-host: call jax.distributed.initialize() before any JAX work")
+                                 "multi-process: join JAX's distributed runtime before any JAX work")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "--distributed: process 0's HOST:PORT (default $JAX_COORDINATOR_ADDRESS)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "--distributed: how many processes (default $JAX_NUM_PROCESSES)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "--distributed: this process's id, 0 .. num_processes - 1 "
+                                   "(default $JAX_PROCESS_ID)")
 _MESH = flags.DEFINE_string("mesh", "", "'DATA,MODEL' mesh axis sizes (e.g. 2,4); empty: a single device")
 
 
@@ -50,7 +63,14 @@ def start(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   py_logging.getLogger("absl").addFilter(_QuietLibraries())
-  sharding.maybe_initialize_distributed(_DISTRIBUTED.value)
+  given = {k: f.value for k, f in (("coordinator_address", _COORDINATOR), ("num_processes", _NUM_PROCESSES),
+                                   ("process_id", _PROCESS_ID)) if f.value is not None}
+  if given and not _DISTRIBUTED.value:
+    raise app.UsageError(f"--{', --'.join(given)} need(s) --distributed")
+  try:
+    sharding.maybe_initialize_distributed(_DISTRIBUTED.value, **given)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   try:
     return parse_mesh(_MESH.value)
   except ValueError as e:                 # a bad flag value: absl's usage error, not a traceback
@@ -91,8 +111,32 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
   logging.info("config:\n%s", config)
   logging.info("devices: %s; mesh: %s", jax.devices(), mesh)
   kwargs = {"mesh": mesh} if mesh_ok else {}
-  with bad_input_as_usage():
+  with bad_input_as_usage(), _process_zero_writes(config) as writes:
     result = runner(config, command=command_line(name), log=logging.info, **kwargs)
-  print(result.table)
-  print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
-        f"written to {config.output_dir}/")
+  if writes:
+    print(result.table)
+    print(f"\n{result.computed} {unit} computed, {result.skipped} reused, {result.seconds:.0f} s; "
+          f"written to {config.output_dir}/")
+
+
+@contextlib.contextmanager
+def _process_zero_writes(config):
+  """Several processes: process 0 writes config.output_dir; every other one runs on a private copy of it (so
+  each process decides alike which cells a resumed sweep reuses), removed at the end. Yields whether this
+  process writes the real folder."""
+  if jax.process_count() == 1:
+    yield True
+    return
+  from jax.experimental import multihost_utils
+  real = config.output_dir
+  with tempfile.TemporaryDirectory(prefix=f"specache_p{jax.process_index()}_") as tmp:
+    if jax.process_index() != 0:
+      copy = os.path.join(tmp, "out")
+      if os.path.isdir(real):
+        shutil.copytree(real, copy)
+      config.output_dir = copy
+    multihost_utils.sync_global_devices("output folder read")    # before process 0 writes anything
+    try:
+      yield jax.process_index() == 0
+    finally:
+      config.output_dir = real

@@ -3,15 +3,23 @@
     methods.specache_1bit = dict(name="specache", bits=1, group_size=64, residual=64, topk=64)
     methods.h2o = dict(name="h2o", match="specache_1bit")      # budget = that method's device bytes
 
-and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes an eviction method
-(StreamingLLM, H2O) with `caches.budget.matched_budget` at every context length separately, since the
+and `config.run_methods` ("full,kivi_1bit,...") picks which run, in order. `match` sizes a budget-sized method
+(StreamingLLM, H2O, Quest, InfLLM) with `caches.budget.matched_budget` at every context length separately, since the
 reference's device bytes grow with the context.
+
+`config.extra_methods` adds labels from the command line (`parse_extra`), e.g.
+
+    --config.extra_methods="kivi_2bit_g32=kivi:bits=2,group_size=32;spec1_robust=specache:bits=1,preset=robust"
+
+Each one joins `config.methods` (a label already there is an error) and runs after `run_methods`' labels unless
+`run_methods` names it. Every sweep reads its labels through `labels` / `spec_of`, so no launcher parses it.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
-from specache_jax.caches import CacheConfig, cache_config
+from specache_jax.caches import METHOD_NAMES, CacheConfig, cache_config
 from specache_jax.caches.base import settings_of
 from specache_jax.caches.budget import matched_budget
 from specache_jax.errors import ConfigError
@@ -23,12 +31,15 @@ def _as_dict(spec) -> dict[str, Any]:
 
 
 def labels(config) -> list[str]:
-  """The labels in `config.run_methods`, each checked against `config.methods`."""
+  """The labels in `config.run_methods`, each checked against `config.methods` (with `config.extra_methods`),
+  then the extra labels `run_methods` does not name, in their order."""
   chosen = [s.strip() for s in str(config.run_methods).split(",") if s.strip()]
-  known = list(_as_dict(config.methods))
+  specs = all_specs(config)
+  known = list(specs)
   unknown = [c for c in chosen if c not in known]
   if unknown:
     raise ConfigError(f"run_methods={config.run_methods!r} names {unknown}, not in config.methods {known}")
+  chosen += [label for label in extra_specs(config) if label not in chosen]
   if not chosen:
     raise ConfigError(f"run_methods={config.run_methods!r} selects no method; choose from {known}")
   return chosen
@@ -45,9 +56,9 @@ def options(config, label: str) -> dict[str, Any]:
 
 
 def spec_of(config, label: str) -> dict[str, Any]:
-  spec = _as_dict(_as_dict(config.methods)[label])
+  spec = _as_dict(all_specs(config)[label])
   if "name" not in spec:
-    raise ConfigError(f"config.methods.{label} has no 'name' (one of full, kivi, specache, streaming, h2o)")
+    raise ConfigError(f"config.methods.{label} has no 'name' (one of {', '.join(METHOD_NAMES)})")
   return spec
 
 
@@ -79,6 +90,84 @@ def describe(method: CacheConfig) -> dict[str, Any]:
   """JSON-ready settings of a built method (what goes into a result record and its fingerprint)."""
   return {"name": method.name, **{k: v for k, v in settings_of(method).items()}}
 
+# ---- methods added from the command line: config.extra_methods ----
+
+_LABEL = re.compile(r"[A-Za-z0-9_.-]+")
+_SYNTAX = "'label=method' or 'label=method:key=value,key=value', parts separated by ';'"
+
+
+def parse_value(text: str) -> Any:
+  """A setting's value as written on the command line: true/false -> bool, none -> None, then int, float, else
+  the text itself (a preset's name, a `match` label, `one_bit=kivi`)."""
+  low = text.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  if low == "none":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_extra(text: str) -> dict[str, dict[str, Any]]:
+  """`config.extra_methods` -> {label: spec}: "label=method:key=value,...;label2=method2" (empty parts are
+  skipped). Checks the syntax, the method's name and the keys it takes (`caches.cache_config`'s own check),
+  each error naming the part at fault; what needs the model (a group size that divides head_dim, a `match`
+  label's bytes) is checked when the label is built."""
+  out: dict[str, dict[str, Any]] = {}
+  for part in (p.strip() for p in str(text or "").split(";")):
+    if not part:
+      continue
+    head, _, body = part.partition(":")
+    label, eq, name = (s.strip() for s in head.partition("="))
+    if not eq or not label or not name:
+      raise ConfigError(f"extra_methods part {part!r} must be {_SYNTAX}")
+    if not _LABEL.fullmatch(label):
+      raise ConfigError(f"extra_methods label {label!r} (in {part!r}) must use only letters, digits, '_', '.', '-'")
+    if label in out:
+      raise ConfigError(f"extra_methods label {label!r} appears twice ({part!r}); labels must be unique")
+    spec: dict[str, Any] = {"name": name}
+    for pair in (p.strip() for p in body.split(",")) if body.strip() else ():
+      key, eq, value = (s.strip() for s in pair.partition("="))
+      if not eq or not key or not value:
+        raise ConfigError(f"extra_methods {label}: setting {pair!r} must be key=value (in {part!r}; {_SYNTAX})")
+      if key in spec:
+        raise ConfigError(f"extra_methods {label}: setting {key!r} given twice (in {part!r})")
+      spec[key] = parse_value(value)
+    settings = {k: v for k, v in spec.items() if k not in ("name", "match", *RUN_OPTIONS)}
+    try:
+      cache_config(name, **settings)
+    except (ConfigError, TypeError, ValueError) as e:
+      raise ConfigError(f"extra_methods {label} ({part!r}): {e}") from None
+    out[label] = spec
+  return out
+
+
+def extra_specs(config) -> dict[str, dict[str, Any]]:
+  """The labels `config.extra_methods` adds ({} when the config has no such field)."""
+  return parse_extra(getattr(config, "extra_methods", "") or "")
+
+
+def all_specs(config) -> dict[str, Any]:
+  """`config.methods` plus `config.extra_methods`' labels; an extra label already in `config.methods`, or an
+  extra `match` naming no label, is a ConfigError."""
+  specs = _as_dict(config.methods)
+  extra = extra_specs(config)
+  clash = [label for label in extra if label in specs]
+  if clash:
+    raise ConfigError(f"extra_methods={config.extra_methods!r} adds {clash}, already in config.methods; pick "
+                      "another label (or change the existing one with --config.methods.<label>.<key>=...)")
+  specs.update(extra)
+  for label, spec in extra.items():
+    if "match" in spec and spec["match"] not in specs:
+      raise ConfigError(f"extra_methods {label}: match={spec['match']!r} names no label of config.methods or "
+                        f"extra_methods ({list(specs)})")
+  return specs
+
+
 
 def settings_fingerprint_parts(config, label: str) -> Mapping[str, Any]:
   """The unresolved spec (plus its match's, recursively; plus a preset's resolved settings, which change when
@@ -108,6 +197,18 @@ def standard() -> dict[str, dict[str, Any]]:
       "specache_2bit": dict(name="specache", bits=2, group_size=64, residual=64, topk=64),
       "streaming": dict(name="streaming", match="specache_1bit"),              # sinks + window, same bytes
       "h2o": dict(name="h2o", match="specache_1bit"),                          # heavy hitters, same bytes
+  }
+
+
+def retrieval() -> dict[str, dict[str, Any]]:
+  """The retrieval baselines beside SpeCache, at SpeCache 1-bit's device bytes (the same 16-bit cache kept off
+  the device, a different choice of the rows attended), keyed by label. InfLLM keeps its paper's settings (128
+  initial tokens, blocks of 128): on SmolLM2-135M (bf16) SpeCache 1-bit's bytes hold its smallest budget (256)
+  from about 1.5k tokens of context (shorter, `matched_budget` refuses) and its first retrieved block from about
+  4.3k (below, it attends its initial tokens and window only)."""
+  return {
+      "quest": dict(name="quest", match="specache_1bit"),      # pages by their min/max key bounds, same bytes
+      "infllm": dict(name="infllm", match="specache_1bit"),    # initial + window + blocks by representatives
   }
 
 

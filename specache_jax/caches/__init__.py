@@ -14,6 +14,8 @@ _METHODS = {
     "specache": ("specache_jax.caches.specache", "SpeCacheConfig"),
     "streaming": ("specache_jax.caches.streaming", "StreamingConfig"),
     "h2o": ("specache_jax.caches.h2o", "H2OConfig"),
+    "quest": ("specache_jax.caches.quest", "QuestConfig"),
+    "infllm": ("specache_jax.caches.infllm", "InfLLMConfig"),
 }
 METHOD_NAMES = tuple(_METHODS)
 

@@ -15,9 +15,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from specache_jax import cpu_kernels as ck
-from specache_jax.cpu_kernels import prefill_attention as cpu_prefill
-from specache_jax.cpu_kernels import select as cpu_select
+from specache_jax import dispatch
 
 MASKED = -1e30  # finite, so a fully masked row yields zeros-weighted garbage instead of NaN
 
@@ -155,7 +153,7 @@ def write_many(writes):
     return jax.lax.cond(holds, put, lambda bufs, _: bufs, bufs, starts)
 
   bufs, starts = tuple(w[0] for w in writes), tuple(w[2] for w in writes)
-  return jax.lax.platform_dependent(bufs, starts, cpu=fenced, default=put)
+  return dispatch.on_cpu_only(bufs, starts, cpu=fenced, default=put)
 
 
 def put_rows(buf_BKSX, rows_BKTX, start_B):
@@ -172,7 +170,7 @@ def put_rows(buf_BKSX, rows_BKTX, start_B):
 def gather_rows(buf_BKSH, idx_BKX):
   """Rows of buf [B, K, S, H] at slots idx [B, K, X] -> [B, K, X, H] (idx clipped into range). On XLA:CPU a copy
   of whole rows (`cpu_kernels.select.take_rows`; XLA's gather computes an index per element)."""
-  return ck.on_cpu(cpu_select.applies(), cpu_select.take_rows, cpu_select.take_rows_reference, buf_BKSH, idx_BKX)
+  return dispatch.take_rows(buf_BKSH, idx_BKX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +218,8 @@ def prefill_attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale: float, want_c
   blockwise form)."""
   if want_colsum:
     return prefill_attention_blockwise(q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale, True, blocks)
-  out = ck.on_cpu(cpu_prefill.applies(q_BTNH.shape[-1]), lambda *a: cpu_prefill.causal_attention(*a, sm_scale),
-                  lambda *a: prefill_attention_blockwise(*a, sm_scale, False, blocks)[0],
-                  q_BTNH, k_BTKH, v_BTKH, lengths_B)
+  out = dispatch.prefill_attention("auto", lambda *a: prefill_attention_blockwise(*a, sm_scale, False, blocks)[0],
+                                    q_BTNH, k_BTKH, v_BTKH, lengths_B, sm_scale)
   return out, None
 
 

@@ -7,10 +7,9 @@ import sys
 import jax.numpy as jnp
 from flax import struct
 
-from specache_jax import cpu_kernels as ck
+from specache_jax import dispatch
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
-from specache_jax.cpu_kernels import dense_attention as cpu_dense
 from specache_jax.caches.base import CacheConfig, stack_layers
 
 
@@ -47,7 +46,7 @@ def attend(method, st: State, q, k_new, v_new, lengths):
   The new rows are written first and attention reads the updated buffers (row i sees slots < lengths + i + 1):
   one writer then one reader, so the write is in place (a read of the old buffer beside an independent write
   would make XLA copy the whole cache). On XLA:CPU the attention is one kernel call (`cpu_kernels.dense_attention`:
-  it reads only the slots below the lengths) where it applies."""
+  it reads only the slots below the lengths) where it applies (`dispatch.dense_attention`)."""
   del method
   _, t, n, h = q.shape
   n_kv, s = st.k.shape[1], st.k.shape[2]
@@ -60,10 +59,7 @@ def attend(method, st: State, q, k_new, v_new, lengths):
     mask_BTS = cols_S < (lengths[:, None, None] + jnp.arange(1, t + 1)[None, :, None])
     return A.segmented_attention(q, [(k, v, mask_BTS[:, None])], sm_scale, n_kv)[0]
 
-  def kernel(q, k, v, lengths):
-    return cpu_dense.decode_attention(q, k, v, lengths + 1, sm_scale)
-
-  out = ck.on_cpu(cpu_dense.applies(st.k.dtype, h, n // n_kv * t), kernel, xla, q, st.k, st.v, lengths)
+  out = dispatch.dense_attention("auto", xla, q, st.k, st.v, lengths, sm_scale)
   return out, st, {}
 
 

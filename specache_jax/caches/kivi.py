@@ -1,4 +1,5 @@
-"""KIVI: the whole cache in low bits (keys per channel, values per token) plus a 16-bit residual window."""
+"""KIVI: the whole cache in low bits (keys per channel, values per token) plus a 16-bit residual window; its
+attention is the mixed low-bit + 16-bit kernel's (`specache_jax.dispatch.mixed_attention`, by attention_impl)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,13 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specache_jax import cpu_kernels as ck
-from specache_jax import quant
+from specache_jax import dispatch, quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches.base import CacheConfig, check_int, stack_layers
-from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 from specache_jax.errors import ConfigError
 
 
@@ -25,6 +24,8 @@ class KiviConfig(CacheConfig):
   group_size: int = 32          # g
   residual: int = 128           # R, 16-bit recent tokens (g | R)
   one_bit: str = "kivi"         # the 1-bit rule: "kivi" (levels m, M) or "specache"
+  attention_impl: str = "auto"  # the kernel family (specache_jax.dispatch.IMPLS): auto | jnp | cpu | pallas |
+                                # pallas_tpu | pallas_interpret | pallas_tpu_interpret
 
   def __post_init__(self):
     if self.bits not in quant.BITS:
@@ -36,6 +37,7 @@ class KiviConfig(CacheConfig):
                         "(keys are quantized a whole residual window at a time)")
     if self.one_bit not in quant.ONE_BIT_RULES:
       raise ConfigError(f"one_bit={self.one_bit!r} must be one of {quant.ONE_BIT_RULES}")
+    dispatch.check_impl(self.attention_impl)
 
   @property
   def impl(self):
@@ -46,6 +48,7 @@ class KiviConfig(CacheConfig):
       quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+    dispatch.check_layout(self.attention_impl, self.bits, self.group_size, model_cfg.head_dim)
 
   def slots(self, max_len):
     return lowbit.round_slots(max_len, self.residual)
@@ -98,15 +101,11 @@ def attend(method: KiviConfig, st: State, q, k_new, v_new, lengths):
                                   group_size=method.group_size), (ring_k, ring_v, ring_mask),
             (kn, vn, new_mask)], sm_scale, n_kv)[0]
 
-  def kernel_attention():
-    return cpu_attention.mixed_decode_attention(                     # the ring and the new rows: two segments
-        q, low.k_codes, low.k_scale, low.k_zero, low.v_codes, low.v_scale, low.v_zero, val_qlen,
-        jnp.zeros((b, n_kv, 0), jnp.int32), (ring_k, kn), (ring_v, vn),
-        jnp.concatenate([ring_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1), bits=method.bits,
-        group_size=method.group_size, sm_scale=sm_scale)[0]
-
-  # XLA:CPU: the fused kernel (its probabilities unused); a program lowered for another platform keeps jnp
-  out = ck.on_cpu(cpu_attention.applies(method.bits, method.group_size, q.shape[-1]), kernel_attention, jnp_attention)
+  # the fused kernel (its probabilities unused) over the ring and the new rows (two extra segments), or jnp
+  out = dispatch.mixed_attention(
+      method.attention_impl, jnp_attention, q, low, val_qlen, jnp.zeros((b, n_kv, 0), jnp.int32), [ring_k, kn],
+      [ring_v, vn], jnp.concatenate([ring_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1),
+      bits=method.bits, group_size=method.group_size, sm_scale=sm_scale, probabilities=False)
   return out, State(low=lowbit.store_ring(low, kn, vn, lengths, after=out)), {}
 
 

@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specache_jax import quant
+from specache_jax import dispatch, quant
 from specache_jax.caches import attention as A
 from specache_jax.caches import packed
-from specache_jax.cpu_kernels import ring_keys as cpu_ring
 
 
 @struct.dataclass
@@ -138,7 +137,7 @@ def store_codes(st: LowBit, k_BKTH, v_BKTH, lengths_B, *, bits, group_size, resi
       return tuple(A.put_rows(buf, rows, at) for buf, rows, at in
                    zip(bufs, (qk.codes, qk.scale, qk.zero), (start, start // group_size, start // group_size)))
 
-    keys = jax.lax.platform_dependent(
+    keys = dispatch.on_cpu_only(
         (st.k_codes, st.k_scale, st.k_zero), st.ring_k, k_BKTH[:, :, :i + 1], jnp.any(flush),
         cpu=lambda bufs, r, k, f: jax.lax.cond(f, put_window, lambda bufs, *_: bufs, bufs, r, k),
         default=lambda bufs, r, k, f: put_window(bufs, r, k))
@@ -201,6 +200,6 @@ def ring_segment(st: LowBit, lengths_B, *, bits, group_size, residual, dtype=jnp
   pos = jnp.broadcast_to(ring_positions(lengths_B, residual)[:, None, :], (b, n_kv, residual))
   if exact_keys:
     return st.ring_k.astype(dtype), st.ring_v, pos
-  keys = cpu_ring.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
+  keys = dispatch.ring_keys(st.ring_k, st.k_codes, st.k_scale, st.k_zero, lengths_B, bits=bits,
                             group_size=group_size, dtype=dtype)
   return keys, st.ring_v, pos

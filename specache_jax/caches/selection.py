@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specache_jax import cpu_kernels as ck
+from specache_jax import dispatch
 from specache_jax.cpu_kernels import select as cpu_select
 
 
@@ -77,10 +77,10 @@ def select_row(method, scores: Scores, row: int, n_B):
   low, extra = scores.low[:, :, row], scores.extra[:, :, row]
   limit = jnp.broadcast_to(candidates(method, n_B)[:, None], low.shape[:2]).astype(jnp.int32)
   k = method.topk
-  return ck.on_cpu(cpu_select.applies() and TOPK_BLOCK is None,
-                   lambda *a: cpu_select.scatter_top_k(*a, k),
-                   lambda *a: top_k_indices(cpu_select.scatter_scores(*a), k),
-                   low, extra, scores.extra_pos, limit)
+  reference = lambda *a: top_k_indices(cpu_select.scatter_scores(*a), k)      # noqa: E731
+  if TOPK_BLOCK is not None:
+    return reference(low, extra, scores.extra_pos, limit)
+  return dispatch.scatter_top_k(method.attention_impl, reference, low, extra, scores.extra_pos, limit, k)
 
 
 def _candidate_scores(method, probs_BKS, n_B):
@@ -104,7 +104,7 @@ def top_k_indices(scores_BKS, k: int, block: int | None = TOPK_BLOCK):
   only k·S/block candidates. One lax.top_k when block is None, S <= block or block < k."""
   s = scores_BKS.shape[-1]
   if block is None or block < k or s <= block:
-    return cpu_select.top_k(scores_BKS, k)                                       # XLA:CPU: select.cc
+    return dispatch.top_k(scores_BKS, k)                                         # XLA:CPU: select.cc
   n_blocks = -(-s // block)
   lead = scores_BKS.shape[:-1]
   padded = jnp.pad(scores_BKS, [(0, 0)] * len(lead) + [(0, n_blocks * block - s)], constant_values=-jnp.inf)

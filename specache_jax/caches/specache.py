@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels import ATTENTION_IMPLS
-from specache_jax import history, quant
+from specache_jax import dispatch, history, quant
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import selection
@@ -74,8 +73,8 @@ class SpeCacheConfig(CacheConfig):
   one_bit: str = "specache"     # 1-bit rule: "specache" (levels m+(M-m)/4, m+3(M-m)/4) or "kivi" (ablation: m, M)
   offload: bool = False         # True: the 16-bit cache lives in host memory (runtime.py)
   host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
-  attention_impl: str = "jnp"   # jnp (XLA:CPU: the CPU kernel where it applies) | pallas | pallas_interpret
-                                # (pallas_kernels/mixed_decode_attention; cpu_kernels/mixed_attention)
+  attention_impl: str = "auto"  # the kernel family (specache_jax.dispatch.IMPLS): auto (the platform's) | jnp |
+                                # cpu | pallas | pallas_tpu | pallas_interpret | pallas_tpu_interpret
   track_hits: bool = False      # also compute the real query's exact top-k over 16-bit keys (hit rates)
   speculation: SpeCacheSpeculation = FAITHFUL   # how κ is chosen (caches/speculation.py)
 
@@ -93,16 +92,12 @@ class SpeCacheConfig(CacheConfig):
                         + (" (one_bit='mean' was removed: docs/speculation.md)" if self.one_bit == "mean" else ""))
     if self.host_store not in HOST_STORES:
       raise ConfigError(f"host_store={self.host_store!r} must be one of {HOST_STORES}")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ConfigError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+    dispatch.check_impl(self.attention_impl)
     if not isinstance(self.track_hits, bool):
       raise ConfigError(f"track_hits={self.track_hits!r} must be a bool")
     spec = self.speculation
     if not isinstance(spec, SpeCacheSpeculation):
       raise ConfigError(f"speculation={spec!r} must be a SpeCacheSpeculation")
-    if spec.candidates > 1 and self.attention_impl != "jnp":
-      raise ConfigError(f"candidates={spec.candidates} needs attention_impl='jnp' (the Pallas kernel returns "
-                        f"only the last row's probabilities), got {self.attention_impl!r}")
     if spec.lookup_rows > self.topk:
       raise ConfigError(f"lookup_rows={spec.lookup_rows} must be at most topk={self.topk} (a share of the k rows)")
 
@@ -149,6 +144,7 @@ class SpeCacheConfig(CacheConfig):
       quant.validate(self.bits, self.group_size, model_cfg.head_dim, self.residual)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+    dispatch.check_layout(self.attention_impl, self.bits, self.group_size, model_cfg.head_dim)
     if self.topk > self.slots(max_len):
       raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
                         f"max_len={max_len})")

@@ -1,22 +1,19 @@
 """SpeCache's attention of a decoding step's new rows over its mixed cache (`mixed_attention`): κ's fetched rows and
-the residual ring in 16-bit, every other stored position through the low-bit copy, the new rows last — as jnp ops,
-the Pallas kernel or the XLA:CPU kernel, one contract (`pallas_kernels.mixed_decode_attention`). Split from
+the residual ring in 16-bit, every other stored position through the low-bit copy, the new rows last — as jnp ops
+or a fused kernel (XLA:CPU, Pallas Triton or Pallas Mosaic TPU: `specache_jax.dispatch` picks by
+`attention_impl`), one contract (`pallas_kernels.mixed_decode_attention`). Split from
 `specache.py`, whose State (`st`) and SpeCacheConfig (`method`) it reads. Axis letters as in caches/attention.py.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mixed_decode_attention import mixed_decode_attention
-from specache_jax import cpu_kernels as ck
+from specache_jax import dispatch
 from specache_jax.caches import attention as A
 from specache_jax.caches import lowbit
 from specache_jax.caches import selection
 from specache_jax.caches.hit_stats import membership
-from specache_jax.cpu_kernels import mixed_attention as cpu_attention
 
 
 def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
@@ -26,9 +23,8 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
   the probabilities still cover every position) and the new rows. Returns out [B,T,N,H] and, for each of
   `rows` (default: the LAST row), its probabilities per position averaged over each group, as `Scores`
   (`.dense()`: [B, K, len(rows), S] float32, the new rows' columns at their positions n + `row_offsets`;
-  `select_row` picks κ from them without it). The fused kernels: Pallas (attention_impl; the last row's only)
-  and, for attention_impl="jnp" on XLA:CPU, `cpu_kernels.mixed_attention` where it `applies` and rows are the
-  last len(rows) rows in order.
+  `select_row` picks κ from them without it). The fused kernels (`dispatch.mixed_attention`, by
+  attention_impl) take every row set that is the last len(rows) rows in order (`prob_rows`); any other takes jnp.
 
   st's ring is the one from before this step's row (`attend` stores the row's codes first, so the big buffers
   are written in place — the codes it wrote are at positions this attention masks — and the ring after).
@@ -76,34 +72,19 @@ def mixed_attention(method, st, q, kn_BKTH, vn_BKTH, lengths, use_kappa: bool,
     out = sixteen_bit_output() if sixteen_out else out
     return out, of_rows(p_low), jnp.concatenate([of_rows(p_ring), of_rows(p_kap), of_rows(p_new)], -1)
 
-  def fused_attention(kernel, prob_rows=None):
-    """The Pallas kernel (the last row's probabilities only) or the CPU kernel (the last `prob_rows` rows'). Both
-    skip the low-bit values where the output leaves them out (`lowbit_values=False`): they give the `sixteen_out`
-    output themselves, and with scores_only an output nobody reads."""
-    by_kernel = scores_only or sixteen_out
-    if prob_rows is None and tuple(r % t for r in rows) != (t - 1,):
-      raise ValueError(f"{rows=}: the Pallas attention kernel returns the last row's probabilities only")
-    extra_k = [ring_k.astype(q.dtype), st.fetched_k.astype(q.dtype), kn_BKTH.astype(q.dtype)]
-    extra_v = [ring_v.astype(q.dtype), st.fetched_v.astype(q.dtype), vn_BKTH.astype(q.dtype)]
-    if prob_rows is None:                   # Pallas: one array each; the CPU kernel reads the segments in place
-      extra_k, extra_v = jnp.concatenate(extra_k, axis=2), jnp.concatenate(extra_v, axis=2)
+  trailing = tuple(r % t for r in rows) == tuple(range(t - len(rows), t))      # the kernels' prob_rows
+  if trailing:
+    # The kernels skip the low-bit values where the output leaves them out (`lowbit_values=False`): they give the
+    # `sixteen_out` output themselves, and with scores_only an output nobody reads.
     extra_mask = jnp.concatenate([ring_mask, kap_mask, jnp.broadcast_to(new_mask, (b, n_kv, t, t))], -1)
-    kw = dict(lowbit_values=not by_kernel) if prob_rows is None else dict(prob_rows=prob_rows,
-                                                                          lowbit_values=not by_kernel)
-    out, p_low, p_extra = kernel(
-        q, st.low.k_codes, st.low.k_scale, st.low.k_zero, st.low.v_codes, st.low.v_scale, st.low.v_zero,
-        val_qlen, exclude, extra_k, extra_v, extra_mask, bits=method.bits, group_size=method.group_size,
-        sm_scale=sm_scale, **kw)
-    return (out, p_low[:, :, None], p_extra[:, :, None]) if prob_rows is None else (out, p_low, p_extra)
-
-  if method.attention_impl != "jnp":
-    out, probs_low, probs_extra = fused_attention(functools.partial(
-        mixed_decode_attention, interpret=method.attention_impl == "pallas_interpret"))
-  else:   # XLA:CPU: the fused kernel where it applies; a program lowered for another platform keeps the jnp ops
-    trailing = tuple(r % t for r in rows) == tuple(range(t - len(rows), t))      # the kernel's prob_rows
-    out, probs_low, probs_extra = ck.on_cpu(
-        trailing and cpu_attention.applies(method.bits, method.group_size, h),
-        lambda: fused_attention(cpu_attention.mixed_decode_attention, len(rows)), jnp_attention)
+    out, probs_low, probs_extra = dispatch.mixed_attention(
+        method.attention_impl, jnp_attention, q, st.low, val_qlen, exclude,
+        [x.astype(q.dtype) for x in (ring_k, st.fetched_k, kn_BKTH)],
+        [x.astype(q.dtype) for x in (ring_v, st.fetched_v, vn_BKTH)], extra_mask, bits=method.bits,
+        group_size=method.group_size, sm_scale=sm_scale, prob_rows=len(rows),
+        lowbit_values=not (scores_only or sixteen_out))
+  else:
+    out, probs_low, probs_extra = jnp_attention()
   new_pos = jnp.broadcast_to((lengths[:, None] + jnp.asarray(offsets)[None, :])[:, None, :], (b, n_kv, t))
   extra_pos = jnp.concatenate([ring_pos, kappa, new_pos], axis=-1)         # [B, K, R + X + T]
   extra_ok = jnp.concatenate([ring_ok, kap_use, jnp.ones((b, n_kv, t), bool)], axis=-1)

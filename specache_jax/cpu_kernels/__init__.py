@@ -27,7 +27,8 @@ into a cache folder (`$SPECACHE_JAX_KERNEL_CACHE`, default `~/.cache/specache_ja
 the jaxlib version, the compiler and the CPU (`build.py`: a library built for another CPU, altered or not
 loadable is rebuilt, never loaded). Where that fails (no compiler) the models keep XLA's ops and `status()` says
 why; `SPECACHE_JAX_CPU_KERNELS=0` turns the kernels off. They run on the CPU backend only: their callers lower to
-XLA's ops for every other platform (`lax.platform_dependent`).
+XLA's ops for every other platform (`specache_jax.dispatch` chooses, by `lax.platform_dependent`; `dense`:
+`dispatch.dense`).
 
 Multi-device CPU meshes: `dense` wraps the call in `custom_partitioning` — the rows keep their sharding (each
 device multiplies its own rows), the weights are gathered where they are sharded (correct; the per-device
@@ -35,6 +36,7 @@ weight bytes of a model-sharded layer are lost, acceptable for CPU meshes, which
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -81,6 +83,24 @@ def _load() -> tuple[bool, str]:
   return True, f"on ({lib})"
 
 
+@contextlib.contextmanager
+def disabled():
+  """Within: the kernels count as off (`SPECACHE_JAX_CPU_KERNELS=0`), so programs traced here hold only XLA's ops
+  on every platform (an export for another platform needs no CPU kernel, and jax >= 0.11 refuses the
+  `custom_partitioning` of `dense` under the abstract mesh a GPU export lowers with)."""
+  before = os.environ.get(ENV_SWITCH)
+  os.environ[ENV_SWITCH] = "0"
+  _load.cache_clear()
+  try:
+    yield
+  finally:
+    if before is None:
+      os.environ.pop(ENV_SWITCH, None)
+    else:
+      os.environ[ENV_SWITCH] = before
+    _load.cache_clear()
+
+
 def available() -> bool:
   """Whether the kernels are built and registered (compiles them on the first call)."""
   return _load()[0]
@@ -89,15 +109,6 @@ def available() -> bool:
 def status() -> str:
   """'on (<library>)', 'off (...)' or 'unavailable: <why>'."""
   return _load()[1]
-
-
-def on_cpu(use: bool, kernel, default, *args):
-  """kernel(*args) in programs for XLA:CPU when `use` (the caller's "the kernel applies"), default(*args) in
-  programs lowered for any other platform (`lax.platform_dependent`) and everywhere when not `use`: the one way
-  the models pick a kernel of this package."""
-  if use:
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=default)
-  return default(*args)
 
 
 def _checked(x_MD, ws, transposed: bool) -> list[int]:
@@ -147,28 +158,26 @@ def use_kernel(rows: int, transposed: bool) -> bool:
   return lo <= rows <= hi
 
 
-def dense(x, *ws, transposed: bool = False):
-  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> [..., N_i]: the model's weight
-  products (an array for one weight, a tuple for several: q/k/v or gate/up, which share their input).
-
-  On the CPU backend, float32 operands with few rows (`use_kernel`: a decoding step) take `skinny_matmul`, one
-  call for all the weights; everything else (prefill, bf16 weights, other platforms) is XLA's dot. Where the
-  default backend is a GPU/TPU the kernel is not even built; where it is the CPU, a program lowered for another
-  platform still gets XLA's dot (`lax.platform_dependent`)."""
-  spec = "...d,nd->...n" if transposed else "...d,dn->...n"
+def dense_applies(x, ws, transposed: bool = False) -> bool:
+  """Whether `dense_kernel` takes x [..., D] times `ws`: float32 operands with few rows (`use_kernel`: a decoding
+  step) and the kernels built."""
   rows = x.size // x.shape[-1] if x.shape[-1] else 0
-
-  def xla(x, *ws):
-    return tuple(jnp.einsum(spec, x, w) for w in ws)
-
-  def kernel(x, *ws):
-    outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
-    return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
-
   f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-  outs = on_cpu(use_kernel(rows, transposed) and f32 and jax.default_backend() == "cpu" and available(), kernel,
-                xla, x, *ws)
-  return outs[0] if len(ws) == 1 else outs
+  return use_kernel(rows, transposed) and f32 and available()
+
+
+def dense_kernel(x, *ws, transposed: bool = False) -> tuple:
+  """x [..., D] times each weight [D, N_i] (or [N_i, D] when `transposed`) -> a tuple of [..., N_i], by
+  `skinny_matmul` (one call for all the weights; the rows keep their sharding on a CPU mesh)."""
+  rows = x.size // x.shape[-1]
+  outs = _row_partitioned(len(ws), transposed)(x.reshape(rows, x.shape[-1]), *ws)
+  return tuple(y.reshape(x.shape[:-1] + (y.shape[-1],)) for y in outs)
+
+
+def dense_reference(x, *ws, transposed: bool = False) -> tuple:
+  """`dense_kernel` as XLA's dots."""
+  spec = "...d,nd->...n" if transposed else "...d,dn->...n"
+  return tuple(jnp.einsum(spec, x, w) for w in ws)
 
 
 @functools.cache

@@ -29,8 +29,8 @@ def supports(dtype, head_dim: int, rows: int) -> bool:
 
 
 def applies(dtype, head_dim: int, rows: int) -> bool:
-  """A layout it `supports`, the CPU as the default backend and the kernels built."""
-  return supports(dtype, head_dim, rows) and jax.default_backend() == "cpu" and ck.available()
+  """Whether `specache_jax.dispatch` may take the kernel: a layout it `supports` and the kernels built."""
+  return supports(dtype, head_dim, rows) and ck.available()
 
 
 def _check(q, k, v, limit) -> None:

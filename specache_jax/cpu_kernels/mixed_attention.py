@@ -36,9 +36,9 @@ def supports(bits: int, group_size: int, head_dim: int) -> bool:
 
 
 def applies(bits: int, group_size: int, head_dim: int) -> bool:
-  """Whether SpeCache's and KIVI's jnp attention take the kernel: a layout it `supports`, the CPU as the default
-  backend, and the kernels built (`cpu_kernels.available()`; off with SPECACHE_JAX_CPU_KERNELS=0)."""
-  return supports(bits, group_size, head_dim) and jax.default_backend() == "cpu" and ck.available()
+  """Whether `specache_jax.dispatch` may take the kernel: a layout it `supports` and the kernels built
+  (`cpu_kernels.available()`; off with SPECACHE_JAX_CPU_KERNELS=0)."""
+  return supports(bits, group_size, head_dim) and ck.available()
 
 
 MAX_SEGMENTS = 3     # extra key/value segments the kernel reads in place (more are concatenated into the last)

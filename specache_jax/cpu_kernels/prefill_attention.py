@@ -27,8 +27,8 @@ def supports(head_dim: int) -> bool:
 
 
 def applies(head_dim: int) -> bool:
-  """A head_dim it `supports`, the CPU as the default backend and the kernels built."""
-  return supports(head_dim) and jax.default_backend() == "cpu" and ck.available()
+  """Whether `specache_jax.dispatch` may take the kernel: a head_dim it `supports` and the kernels built."""
+  return supports(head_dim) and ck.available()
 
 
 def _check(q, k, v, lengths) -> None:

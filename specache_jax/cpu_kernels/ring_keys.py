@@ -51,23 +51,18 @@ def ring_keys_reference(ring_k, k_codes, k_scale, k_zero, lengths, *, bits: int,
 
 
 def applies(ring_k, k_scale, dtype) -> bool:
-  """Whether `ring_keys` takes the kernel: float32 ring, key groups and result, the CPU as the default backend and
-  the kernels built."""
-  return (ring_k.dtype == k_scale.dtype == jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-          and ck.available())
+  """Whether `ring_keys` may take the kernel: float32 ring, key groups and result, and the kernels built."""
+  return ring_k.dtype == k_scale.dtype == jnp.dtype(dtype) == jnp.float32 and ck.available()
 
 
 def ring_keys(ring_k, k_codes, k_scale, k_zero, lengths, *, bits: int, group_size: int, dtype=jnp.float32):
-  """`ring_keys_reference` (the same signature) by the kernel on XLA:CPU where it `applies`, the reference in
-  programs lowered for any other platform."""
+  """`ring_keys_reference` (the same signature) by the kernel (float32: where it `applies`). CPU backend only;
+  `specache_jax.dispatch.ring_keys` chooses between the two."""
+  del dtype
   _check(ring_k, k_codes, k_scale, k_zero, lengths, bits, group_size)
-  args = (ring_k, k_codes, k_scale, k_zero, lengths.astype(jnp.int32))
-  ref = functools.partial(ring_keys_reference, bits=bits, group_size=group_size, dtype=dtype)
-  return ck.on_cpu(applies(ring_k, k_scale, dtype), functools.partial(_kernel, bits, group_size), ref, *args)
-
-
-def _kernel(bits: int, group_size: int, ring_k, k_codes, k_scale, k_zero, lengths):
-  return _batch_partitioned(bits, group_size)(ring_k, k_codes, k_scale, k_zero, lengths)
+  if not ck.available():
+    raise RuntimeError(f"ring_keys: CPU kernels {ck.status()}")
+  return _batch_partitioned(bits, group_size)(ring_k, k_codes, k_scale, k_zero, lengths.astype(jnp.int32))
 
 
 def _call(bits: int, group_size: int, ring_k, *rest):

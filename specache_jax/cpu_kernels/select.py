@@ -23,8 +23,8 @@ from specache_jax import cpu_kernels as ck
 
 
 def applies() -> bool:
-  """Whether callers take the kernels: the CPU as the default backend and the kernels built."""
-  return jax.default_backend() == "cpu" and ck.available()
+  """Whether `specache_jax.dispatch` may take the kernels: they are built."""
+  return ck.available()
 
 
 def _check_top_k(scores, k: int) -> None:
@@ -128,22 +128,6 @@ def argmax_reference(x):
   _check_argmax(x)
   return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
-
-def top_k(x, k: int):
-  """int32 indices [..., k] of `lax.top_k(x, k)`: `top_k_indices`'s kernel on XLA:CPU for float32 x, lax.top_k for
-  other dtypes and in programs lowered for any other platform (XLA:CPU's TopK sorts the whole axis: 10.6 ms for
-  SmolLM2's 49152 logits, k = 3)."""
-  if x.dtype != jnp.float32:
-    return jax.lax.top_k(x, k)[1].astype(jnp.int32)
-  return ck.on_cpu(applies(), lambda y: top_k_indices(y, k), lambda y: top_k_indices_reference(y, k), x)
-
-
-def greedy(x):
-  """The greedy token of logits [..., V] -> int32 [...]: `argmax`'s kernel on XLA:CPU for float32 logits,
-  jnp.argmax for other dtypes and in programs lowered for any other platform."""
-  if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0:
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
-  return ck.on_cpu(applies(), argmax, argmax_reference, x)
 
 
 def _check_take(buf, idx) -> None:

@@ -21,7 +21,7 @@ from specache_jax import history
 from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
-from specache_jax.cpu_kernels import dense
+from specache_jax.dispatch import dense
 from specache_jax.model.layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 from specache_jax.model_config import ModelConfig
 

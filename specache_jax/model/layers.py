@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specache_jax.cpu_kernels import dense
+from specache_jax.dispatch import dense
 from specache_jax.model_config import ModelConfig
 
 

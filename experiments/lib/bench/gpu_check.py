@@ -224,7 +224,7 @@ def stage_smoke(rec: StageRecord, ctx: Context) -> None:
   else:
     n = 12 if ctx.on_device else 4                                      # interpret mode is slow: fewer tokens
     rec.check(f"{impl}_equals_jnp", lambda: bool(np.array_equal(
-        tokens(n, topk=4, **small), tokens(n, topk=4, attention_impl=impl, **small))))
+        tokens(n, topk=4, attention_impl="jnp", **small), tokens(n, topk=4, attention_impl=impl, **small))))
   rec.check("copy_bandwidth", copy_bandwidth, (4 << 20) if ctx.dry else 1 << 30)
 
 

@@ -12,7 +12,8 @@ step here, so a shared machine's round-to-round noise in a and c moves the fract
 measured: the time the dispatching thread spends just issuing (b) — that part sits on the step's critical path
 whatever the transfer does — and the CPU time that thread spends per pipelined step (`time.thread_time`:
 dispatching the per-group programs and issuing the fetches, not its waits), reported per layer. Each host store
-configured is measured separately. On a CPU the overlap only shows with XLA computing on one core and the host
+configured is measured separately. With `generate_tokens` set, `generate_loop` also times the runtime's own
+`generate` loop (stop checks included) per `sync_every` value, with the host reads per step it counts. On a CPU the overlap only shows with XLA computing on one core and the host
 store's worker on another, so `run_configured` measures in a subprocess with XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
 intra_op_parallelism_threads=1" (ENVIRONMENT.md) whose XLA threads are pinned to one CPU (`pin_xla_threads`):
 those flags alone keep each op on one thread, but XLA:CPU's thunk executor still ran independent ops on a second
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import inspect
 import json
 import os
 import pathlib
@@ -39,6 +41,7 @@ from experiments.lib.bench import models, states, timing
 from experiments.lib.bench.common import RuntimeDriver, random_prompts
 from specache_jax.arrays import Ready
 from specache_jax.caches import cache_config
+from specache_jax.runtime import OffloadRuntime
 
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 CHECKOUT = pathlib.Path(__file__).resolve().parents[3]     # the harness runs from here
@@ -205,6 +208,37 @@ def nonspeculative_step(model, method, context, batch, steps, warmup, margin, se
   return sec
 
 
+def generate_loop(model, method, context: int, batch: int, tokens: int, repeats: int, margin: int, seed: int,
+                  sync_every: int | None = None) -> dict:
+  """`OffloadRuntime.generate`'s decoding loop as it runs (its stop checks included; no stop token, so every
+  step runs): seconds and dispatching-thread CPU (`time.thread_time`) per decoding step, from the medians over
+  `repeats` runs of `tokens` and of 2 new tokens (their difference is tokens - 2 steps; prefill and compiles
+  cancel); the runtime's host reads per step (`host_reads`, where the runtime counts them). sync_every: the
+  runtime's setting (None: its default; ignored by a runtime without it)."""
+  prompt_len = context - margin
+  toks, lens = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
+  kw = {} if sync_every is None or "sync_every" not in inspect.signature(OffloadRuntime).parameters \
+      else {"sync_every": sync_every}
+  rt = OffloadRuntime(model.params, model.config, method, batch, states.cell_slots(prompt_len, tokens),
+                      prompt_len=prompt_len, **kw)
+
+  def run(n):
+    reads = getattr(rt, "host_reads", None)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    timing.block(rt.generate(toks, lens, n, jax.random.key(seed), stop_tokens=()).tokens)
+    return (time.perf_counter() - t0, time.thread_time() - c0,
+            None if reads is None else rt.host_reads - reads)
+
+  run(tokens), run(2)                                      # compiles
+  long, short = [run(tokens) for _ in range(repeats)], [run(2) for _ in range(repeats)]
+  steps = tokens - 2
+  per = lambda i: (statistics.median(r[i] for r in long) - statistics.median(r[i] for r in short)) / steps
+  reads = None if long[0][2] is None else (long[0][2] - short[0][2]) / steps
+  return {"sync_every": getattr(rt, "sync_every", None), "tokens": tokens, "repeats": repeats,
+          "step_s": per(0), "dispatch_cpu_s": per(1), "dispatch_cpu_us_per_layer": per(1) / model.config.n_layers * 1e6,
+          "host_reads_per_step": reads, "store": rt.store.kind}
+
+
 def main_settings(settings: dict) -> dict:
   """Everything from JSON-ready settings (what the subprocess receives)."""
   model = models.load(settings["model"], settings.get("dtype", ""), settings.get("seed", 0))
@@ -216,6 +250,11 @@ def main_settings(settings: dict) -> dict:
   for store in settings.get("stores") or [method.host_store]:
     m = dataclasses.replace(method, host_store=store)
     out["stores"][store] = measure(model, m, rounds=settings["rounds"], **kw)
+  if settings.get("generate_tokens"):
+    out["generate_loop"] = [
+        generate_loop(model, method, settings["context"], settings["batch"], settings["generate_tokens"],
+                      settings.get("generate_repeats", 5), settings["margin"], settings["seed"], every)
+        for every in settings.get("sync_every") or [None]]
   if settings.get("nonspeculative"):
     out["nonspeculative_step_s"] = nonspeculative_step(model, method, **kw)
   return out
