@@ -114,8 +114,8 @@ def test_niah_launcher_runs_a_method_added_on_the_command_line(tmp_path):
   assert rows[2:] == ["full", "kivi2_g32"], proc.stdout
   cells = json.loads((tmp_path / "results.json").read_text())["cells"]
   settings = [r["settings"] for k, r in cells.items() if k.startswith("kivi2_g32")]
-  assert settings and all(s == dict(name="kivi", bits=2, group_size=32, residual=32, one_bit="kivi")
-                          for s in settings), settings
+  assert settings and all(s == dict(name="kivi", bits=2, group_size=32, residual=32, one_bit="kivi",
+                                    attention_impl="auto") for s in settings), settings
   bad = _launch("experiments.niah", "--config=configs/niah.py:test", f"--config.output_dir={tmp_path}",
                 "--config.extra_methods=k=kivi:bits=2,grup_size=32")
   assert bad.returncode != 0
