@@ -68,9 +68,12 @@ class CacheConfig:
     return max_len
 
   def host_bytes(self, st) -> int:
-    """Hook: bytes of the state that belong to host memory (SpeCache's complete 16-bit cache)."""
-    del st
-    return 0
+    """Bytes of the state that belong to host memory (the module's `host_bytes` where it has one: the retrieval
+    methods' complete 16-bit cache; else 0; a per-layer tuple is summed)."""
+    if isinstance(st, (tuple, list)):
+      return int(sum(self.host_bytes(s) for s in st))
+    module_host_bytes = getattr(self.impl, "host_bytes", None)
+    return 0 if module_host_bytes is None else int(module_host_bytes(self, st))
 
   def device_bytes(self, st) -> int:
     """Bytes of the state in accelerator memory (the module's `device_bytes`; a per-layer tuple is summed)."""

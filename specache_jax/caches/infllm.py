@@ -92,11 +92,6 @@ class InfLLMConfig(CacheConfig):
     """J: the memory blocks `max_len` slots hold (at least one, so shapes stay non-empty)."""
     return max(1, -(-(max_len - self.n_init) // self.block_size))
 
-  def host_bytes(self, st) -> int:
-    if isinstance(st, (tuple, list)):
-      return int(sum(host_bytes(self, s) for s in st))
-    return host_bytes(self, st)
-
 
 @struct.dataclass
 class State:

@@ -62,11 +62,6 @@ class QuestConfig(CacheConfig):
     attends all of it)."""
     return min(self.budget // self.page_size, self.slots(max_len) // self.page_size)
 
-  def host_bytes(self, st) -> int:
-    if isinstance(st, (tuple, list)):
-      return int(sum(host_bytes(self, s) for s in st))
-    return host_bytes(self, st)
-
 
 @struct.dataclass
 class State:

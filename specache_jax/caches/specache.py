@@ -149,11 +149,6 @@ class SpeCacheConfig(CacheConfig):
       raise ConfigError(f"topk={self.topk} is larger than the cache ({self.slots(max_len)} slots for "
                         f"max_len={max_len})")
 
-  def host_bytes(self, st) -> int:
-    if isinstance(st, (tuple, list)):
-      return int(sum(host_bytes(self, s) for s in st))
-    return host_bytes(self, st)
-
   @property
   def qargs(self):
     return dict(bits=self.bits, group_size=self.group_size, residual=self.residual, one_bit=self.one_bit)
