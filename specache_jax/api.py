@@ -77,10 +77,15 @@ def generate(model, tokens, max_new_tokens: int = 32, temperature: float = 0.0, 
 
 
 def _trimmed(out, max_new_tokens: int):
-  """The output's tokens [B, max_new_tokens] of a bucketed buffer (sliced on the host: no program per width)."""
-  if out.tokens.shape[1] == max_new_tokens:
+  """The output's tokens [B, max_new_tokens] of a bucketed buffer [B, out_width], sliced on the host shard by
+  shard (no program per width; the array keeps its sharding, and a process touches only its own shards)."""
+  tokens = out.tokens
+  if tokens.shape[1] == max_new_tokens:
     return out
-  return out.replace(tokens=jax.device_put(np.ascontiguousarray(np.asarray(out.tokens)[:, :max_new_tokens])))
+  shards = [jax.device_put(np.ascontiguousarray(np.asarray(s.data)[:, :max_new_tokens]), s.device)
+            for s in tokens.addressable_shards]
+  trimmed = jax.make_array_from_single_device_arrays((tokens.shape[0], max_new_tokens), tokens.sharding, shards)
+  return out.replace(tokens=trimmed)
 
 
 def _generate(model, tokens, max_new_tokens, temperature, top_p, cache, lengths, seed, rng, stop_tokens, mesh,
