@@ -134,6 +134,12 @@ def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengt
   return layer_output(cfg, lp, x_BTD, attn), st, aux
 
 
+layer_call = jax.jit(layer_forward, static_argnames=("cfg", "method", "phase"))
+"""`layer_forward` as one program: the per-layer loop calls it once per layer, so JAX traces and lowers one layer
+(the step's StableHLO holds one layer function called L times) however deep the model; XLA inlines the calls,
+so buffer aliasing and the in-place updates are those of the unrolled loop."""
+
+
 def embed(params, tokens_BT):
   return jnp.take(params["embed"], tokens_BT, axis=0)
 
@@ -210,7 +216,7 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
     lps = unstack_layers(params["layers"], cfg.n_layers)
     new_states, auxes = [], []
     for lp, st in zip(lps, cache.layers):
-      x, st, aux = layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
+      x, st, aux = layer_call(cfg, method, lp, x, lengths, st, phase, rope)
       new_states.append(st)
       auxes.append(aux)
     new_states = tuple(new_states)
