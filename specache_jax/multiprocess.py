@@ -16,8 +16,8 @@ raises then looks for silent processes (no sign of life for `SILENCE_S`), prints
 (...)`, or, when the coordination service cannot be reached, `stopping: process 0 (the coordinator at ADDRESS) is
 gone (...)`, and exits 1. JAX's coordination client also hears of the loss, of the coordinator at once and of
 another process after `heartbeat_timeout_s` (a peer stuck waiting): it then aborts the process with "Terminating
-process because the JAX distributed service detected fatal errors" (jaxlib's handler; its callback cannot be
-replaced from Python), whichever comes first.
+process because the JAX distributed service detected fatal errors" (jaxlib's handler: the client's callback
+takes an absl::Status that Python cannot receive). Whichever comes first ends the process.
 """
 from __future__ import annotations
 
