@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,6 +120,22 @@ def test_a_file_without_checksums_is_read_as_written(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert ResultStore(path).cells == cells
+
+
+def test_a_killed_writers_temporary_is_removed_and_a_live_or_remote_ones_kept(tmp_path):
+  """atomic_write_text's temporaries name their host and pid: opening the store removes those of dead processes
+  of this host (killed mid-write), never a live writer's or another host's."""
+  path = tmp_path / "results.json"
+  written = _store_with_records(path)
+  gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                        check=True, timeout=60)
+  host = socket.gethostname()
+  dead, live, remote = (tmp_path / f".results.json.{h}.{pid}.abc_123.tmp" for h, pid in
+                        ((host, int(gone.stdout)), (host, os.getpid()), (host + "-other", int(gone.stdout))))
+  for tmp in (dead, live, remote):
+    tmp.write_text('{"cells": {"half')
+  assert ResultStore(path).cells == written
+  assert not dead.exists() and live.exists() and remote.exists()
 
 
 @pytest.fixture(scope="module")

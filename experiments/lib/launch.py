@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging as py_logging
 import os
+import pathlib
 import shlex
 import shutil
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import jax
 from absl import app, flags, logging
 
+from experiments.lib import store
 from specache_jax import sharding
 from specache_jax.checkpoints import CheckpointError
 from specache_jax.errors import ConfigError
@@ -119,17 +121,29 @@ def run_sweep(name: str, config, runner, argv, *, mesh_ok: bool, unit: str = "ce
           f"written to {config.output_dir}/")
 
 
+COPY_PREFIX = "specache_sweep_copy_"     # + pid: a process's private copy of the output folder, in $TMPDIR
+
+
+def _remove_dead_copies() -> None:
+  """Remove the private copies that processes of this host killed mid-sweep left behind."""
+  for folder in pathlib.Path(tempfile.gettempdir()).glob(COPY_PREFIX + "*"):
+    pid = folder.name[len(COPY_PREFIX):].split("_", 1)[0]
+    if pid.isdigit() and not store.process_alive(int(pid)):
+      shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _process_zero_writes(config):
   """Several processes: process 0 writes config.output_dir; every other one runs on a private copy of it (so
-  each process decides alike which cells a resumed sweep reuses), removed at the end. Yields whether this
-  process writes the real folder."""
+  each process decides alike which cells a resumed sweep reuses), removed at the end (or, when the process is
+  killed, by the next sweep on this host). Yields whether this process writes the real folder."""
   if jax.process_count() == 1:
     yield True
     return
   from jax.experimental import multihost_utils
   real = config.output_dir
-  with tempfile.TemporaryDirectory(prefix=f"specache_p{jax.process_index()}_") as tmp:
+  _remove_dead_copies()
+  with tempfile.TemporaryDirectory(prefix=f"{COPY_PREFIX}{os.getpid()}_") as tmp:
     if jax.process_index() != 0:
       copy = os.path.join(tmp, "out")
       if os.path.isdir(real):

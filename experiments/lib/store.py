@@ -5,7 +5,8 @@ JSON file `{"meta": ..., "cells": {cell_id: record}, "checksums": {cell_id: sha2
 `put` rewrites the file through a temporary file, fsync and `os.replace`, so a run killed at any moment (even
 by SIGKILL) leaves either the previous or the new complete file. Each record carries the fingerprint of the
 settings that produced it: a restarted run with different settings recomputes the cell instead of reusing a
-stale answer.
+stale answer. A writer killed mid-write leaves its temporary file (`.<name>.<host>.<pid>.*.tmp`, never read);
+the next `ResultStore` on that file removes those of dead processes of this host.
 
 A damaged file is never read as results: one that is not valid JSON (truncated, bytes flipped) is renamed
 `<name>.corrupt` and the sweep starts over; a record whose checksum does not match (a flipped bit that
@@ -19,6 +20,8 @@ import json
 import os
 import pathlib
 import dataclasses
+import re
+import socket
 import tempfile
 import time
 import uuid
@@ -45,7 +48,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
   """Write `text` to `path` via a temporary file in the same folder and `os.replace` (atomic on POSIX)."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{socket.gethostname()}.{os.getpid()}.", suffix=".tmp",
+                             dir=path.parent)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
@@ -57,6 +61,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
       os.unlink(tmp)
     raise
   _fsync_dir(path.parent)
+
+
+def remove_dead_writers_temporaries(path: str | os.PathLike) -> list[pathlib.Path]:
+  """Remove the temporary files `atomic_write_text(path, ...)` left in a process of this host that is gone
+  (killed mid-write) -> those removed. A live writer's, or another host's, stay."""
+  path = pathlib.Path(path)
+  pattern = re.compile(rf"\.{re.escape(path.name)}\.(.+)\.(\d+)\.[^.]+\.tmp")
+  removed = []
+  for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+    m = pattern.fullmatch(tmp.name)
+    if m is None or m[1] != socket.gethostname() or process_alive(int(m[2])):
+      continue
+    tmp.unlink(missing_ok=True)
+    removed.append(tmp)
+  return removed
+
+
+def process_alive(pid: int) -> bool:
+  """Whether process `pid` of this host exists."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:                   # another user's
+    pass
+  return True
 
 
 def _fsync_dir(folder: pathlib.Path) -> None:
@@ -108,6 +138,7 @@ class ResultStore:
     self.meta = dict(meta or {})
     self.cells: dict[str, dict] = {}
     self.computed = 0          # cells this process has put
+    remove_dead_writers_temporaries(self.path)
     if self.path.exists():
       self.cells = self._load()
 
