@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"tiny": "random:tiny", "smollm2": "smollm2-135m"}
-METHODS = ("full", "specache1", "robust", "specache1_offloaded")
+METHODS = ("full", "specache1", "robust", "specache1_offloaded", "robust_offloaded")
 CALLS = "1000x32,1000x32,1010x32,1020x40,1000x64"
 
 
@@ -34,8 +34,8 @@ def _method(name: str, head_dim: int):
   g = min(64, head_dim)
   if name == "full":
     return sj.cache_config("full")
-  if name == "robust":
-    return sj.cache_config("specache", bits=1, preset="robust")
+  if name in ("robust", "robust_offloaded"):
+    return sj.cache_config("specache", bits=1, preset="robust", group_size=g, offload=name.endswith("offloaded"))
   if name in ("specache1", "specache1_offloaded"):
     return sj.cache_config("specache", bits=1, group_size=g, residual=g, topk=g,
                            offload=name.endswith("offloaded"))
@@ -84,6 +84,7 @@ def main() -> None:
   ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
   ap.add_argument("--methods", default=",".join(METHODS))
   ap.add_argument("--calls", default=CALLS, help="PROMPTxNEW,... made in order in one process")
+  ap.add_argument("--policies", default="exact,bucketed", help="exact (buckets=None), bucketed (the default)")
   ap.add_argument("--out", default="results/compile_latency_cpu.md")
   ap.add_argument("--child", nargs=4, metavar=("MODEL", "METHOD", "POLICY", "CALLS"))
   args = ap.parse_args()
@@ -93,9 +94,9 @@ def main() -> None:
   load_start = os.getloadavg()[0]
   results = []
   for method in args.methods.split(","):
-    runs = {policy: _run(args.model, method, policy, args.calls) for policy in ("exact", "bucketed")}
-    for a, b in zip(runs["exact"]["rows"], runs["bucketed"]["rows"]):
-      if a["tokens"] != b["tokens"]:
+    runs = {policy: _run(args.model, method, policy, args.calls) for policy in args.policies.split(",")}
+    for a, *others in zip(*(run["rows"] for run in runs.values())):
+      if any(a["tokens"] != b["tokens"] for b in others):
         raise AssertionError(f"{method} {a['call']}: the bucketed tokens differ from the exact ones")
     results.append((method, runs))
     for policy, run in runs.items():
@@ -119,17 +120,21 @@ def _write(args, results, load_start) -> None:
       "(batch 1, greedy, a fresh random prompt each; `PROMPTxNEW`). `exact`: `buckets=None` (programs for the "
       "exact lengths: the prompt rounded to 16, the output width = max_new_tokens); `bucketed`: "
       "`buckets.DEFAULT`. trace / lower / XLA s: the union of JAX's compile-event spans of each kind during the "
-      "call; `programs`: XLA compilations; step ms: 1 / decode tokens per second. The tokens of both policies "
-      "agree call by call. The machine is shared (load average above): compare within a method.",
+      "call; `programs`: XLA compilations; step ms: 1 / decode tokens per second; `x warm`: the call's wall "
+      "time over the second call's (the first call's lengths again, nothing to compile). Where both policies "
+      "ran, their tokens agree call by call. The machine is shared (load average above): compare within a "
+      "method.",
       "",
-      "| method | call | policy | wall s | programs | trace s | lower s | XLA s | ttft s | step ms |",
-      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+      "| method | call | policy | wall s | x warm | programs | trace s | lower s | XLA s | ttft s | step ms |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for method, runs in results:
-    for i in range(len(runs["exact"]["rows"])):
-      for policy in ("exact", "bucketed"):
-        r = runs[policy]["rows"][i]
+    for i in range(len(next(iter(runs.values()))["rows"])):
+      for policy, run in runs.items():
+        r = run["rows"][i]
+        warm = run["rows"][1]["wall_s"] if len(run["rows"]) > 1 else float("nan")
         lines.append(f"| {method} | {r['call']}{' (first)' if i == 0 else ''} | {policy} | {r['wall_s']:.2f} "
+                     f"| {r['wall_s'] / warm:.2f} "
                      f"| {r['compilations']} | {r['trace_s']:.2f} | {r['lower_s']:.2f} | {r['compile_s']:.2f} "
                      f"| {r['ttft_s']:.3f} | {r['step_ms']:.1f} |")
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
