@@ -4,7 +4,8 @@
   .venv/bin/python tools/sweep_compile_share.py --sweep=ruler --config=configs/ruler.py:test --out=/tmp/s.json
 
 Runs the sweep's `run` in this process, into a fresh output folder (every cell computed; the persistent
-compilation cache off, so every program is compiled), under `clock.CompileLog`, and writes one JSON record:
+compilation cache off, so every program is compiled, unless `--compile_cache=FOLDER` names one: run twice with
+the same folder for a warm second run), under `clock.CompileLog`, and writes one JSON record:
 wall seconds, the union of each kind's spans (trace / lower / XLA compile) and of all three, the programs
 compiled, the cells computed, with the date, commit, load average and command. Run it at two commits to compare.
 """
@@ -29,9 +30,10 @@ def main() -> None:
   ap.add_argument("--sweep", required=True, choices=("niah", "ruler", "perplexity"))
   ap.add_argument("--config", required=True, help="a config file, e.g. configs/niah.py or configs/ruler.py:test")
   ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE overrides (strings), repeatable")
+  ap.add_argument("--compile_cache", default="0", help="the persistent compilation cache's folder; 0: off")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
-  os.environ["SPECACHE_JAX_COMPILE_CACHE"] = "0"
+  os.environ["SPECACHE_JAX_COMPILE_CACHE"] = args.compile_cache
   import jax
   from specache_jax import clock
   path, _, variant = args.config.partition(":")
