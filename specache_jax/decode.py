@@ -213,24 +213,6 @@ def init_cache(method: CacheConfig, cfg: ModelConfig, batch: int, max_len: int, 
   return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32), tokens=tokens)
 
 
-def prefill_per_layer(batch: int, length: int) -> bool:
-  """Whether a prompt of batch x length tokens goes through the layers as a loop over per-layer weights and
-  states (`prefill_layout`) instead of the stacked layer scan: when its rows fit one `decoder.ROW_CHUNK` piece.
-  The loop saves the scan's slice of every layer's weights and the stacked -> per-layer copy of the cache
-  (SmolLM2-135M, 1k x 1: 1.087 -> 1.047 s, 8 interleaved runs); past one piece each layer's row-chunk loops
-  keep buffers of their own in XLA's assignment (temporaries 2k x 1: 359 MB vs the scan's 48; 1k x 4: 697 vs 64)
-  for no gain in time (1k x 4: 4.37 vs 4.34 s)."""
-  return batch * length <= decoder.ROW_CHUNK
-
-
-def prefill_layout(params, layer_params, cache: Cache, shape_BT) -> tuple[dict, Cache]:
-  """(params, cache) for `prefill`/`start` of a [B, T] prompt: per-layer weights and states where
-  `prefill_per_layer`, else the stacked ones."""
-  if prefill_per_layer(*shape_BT):
-    return layer_params, decoder.per_layer(cache, len(layer_params["layers"]))
-  return params, cache
-
-
 def prefill(params, cfg: ModelConfig, method: CacheConfig, tokens_BT, lengths_B, cache: Cache):
   """The prompt through the cache -> (logits at each row's last prompt token [B, V] float32, cache)."""
   logits, cache, _ = decoder.forward(params, cfg, tokens_BT, cache, method, "prefill", prompt_lengths=lengths_B,
@@ -338,19 +320,18 @@ def start_jit(params, tokens_BT, lengths_B, rng, spec: SamplingSpec, *, cfg: Mod
   check_numerics: carry guards' first-non-finite record."""
   b = tokens_BT.shape[0]
   pin = _pin(mesh)
-  # Decoding steps: one buffer per layer (updated in place in the loop) and per-layer weights; the prompt too
-  # where `prefill_per_layer` says so.
+  # The prompt and the pre-decoding pass: the stacked layer scan (one compiled layer: SmolLM2 SpeCache 1-bit's
+  # start program compiles in ~3 s instead of ~6.5 s unrolled, for ~4% of a 1k-token prefill and one stacked ->
+  # per-layer copy of the cache). Decoding steps: one buffer per layer, updated in place in the loop.
   layer_params = decoder.unstack_params(params, cfg.n_layers)
-  prompt_params, cache = prefill_layout(params, layer_params, init_cache(method, cfg, b, max_len,
-                                                                        params["embed"].dtype), tokens_BT.shape)
-  cache = pin(cache)
+  cache = pin(init_cache(method, cfg, b, max_len, params["embed"].dtype))
   record = guards.empty_record()
-  logits, cache = prefill(prompt_params, cfg, method, tokens_BT, lengths_B, cache)
+  logits, cache = prefill(params, cfg, method, tokens_BT, lengths_B, cache)
   cache = pin(cache)
   if check_numerics:
     record = guards.update(record, 0, "prefill", logits, cache.layers)
   first, rng = first_token(logits, rng, spec)
-  inp, cache, logits_p = start(prompt_params, cfg, method, first, cache)
+  inp, cache, logits_p = start(params, cfg, method, first, cache)
   cache = pin(cache)
   if check_numerics and logits_p is not None:
     record = guards.update(record, 1, "predecode", logits_p, cache.layers)

@@ -161,15 +161,3 @@ def test_prefill_over_per_layer_states_equals_the_stacked_scan(name, settings):
   np.testing.assert_array_equal(per_layer.lengths, stacked.lengths)
 
 
-def test_prompts_past_one_row_chunk_prefill_through_the_stacked_scan(monkeypatch):
-  """`decode.prefill_layout`: per-layer weights and states only while a prompt's rows fit one row chunk (past it,
-  XLA keeps each layer's row-chunk loop buffers apart: several times the scan's temporaries)."""
-  model = tiny_model(seed=4, n_layers=3)
-  params = model.params
-  layer_params = decoder.unstack_params(params, 3)
-  cache = init_cache(cache_config("full"), model.config, 2, 64, jnp.float32)
-  monkeypatch.setattr(decoder, "ROW_CHUNK", 32)
-  p, c = decode.prefill_layout(params, layer_params, cache, (2, 16))
-  assert p is layer_params and decoder.is_per_layer(c.layers) and len(c.layers) == 3
-  p, c = decode.prefill_layout(params, layer_params, cache, (2, 17))
-  assert p is params and c is cache

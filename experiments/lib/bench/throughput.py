@@ -26,14 +26,10 @@ from specache_jax.model import decoder as dec
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len"))
-def prefill_jit(params, tokens_BT, lengths_B, layer_params=None, *, cfg, method, max_len):
+def prefill_jit(params, tokens_BT, lengths_B, *, cfg, method, max_len):
   """Prefill (+ SpeCache's pre-decoding pass) -> (first decode input [B, W] int32, per-layer cache), laid out
-  as `decode.generate_jit` lays it out (`decode.prefill_layout`). params: stacked; layer_params: the same as
-  `unstack_params` gives (what the runner's decoding steps read; sliced here when not given)."""
-  if layer_params is None:
-    layer_params = dec.unstack_params(params, cfg.n_layers)
+  as `decode.start_jit` lays it out (the stacked layer scan, then `per_layer`). params: stacked."""
   cache = decode.init_cache(method, cfg, tokens_BT.shape[0], max_len, params["embed"].dtype)
-  params, cache = decode.prefill_layout(params, layer_params, cache, tokens_BT.shape)
   logits, cache = decode.prefill(params, cfg, method, tokens_BT, lengths_B, cache)
   inp, cache, _ = decode.start(params, cfg, method, decode.guess(logits), cache)
   return inp, dec.per_layer(cache, cfg.n_layers)
@@ -77,13 +73,13 @@ class JitRunner:
     self.layer_params = unstack_params_jit(model.params, model.config.n_layers)
     self.toks, self.lens = jnp.asarray(tokens), jnp.asarray(lengths)
     t0 = time.perf_counter()
-    self.prefill_fn = prefill_jit.lower(self.params, self.toks, self.lens, self.layer_params, cfg=self.cfg,
-                                        method=method, max_len=slots).compile()
+    self.prefill_fn = prefill_jit.lower(self.params, self.toks, self.lens, cfg=self.cfg, method=method,
+                                        max_len=slots).compile()
     self.record = {"mode": self.mode, "slots": slots, "prefill_compile_s": time.perf_counter() - t0}
     self.carry = None
 
   def prefill(self) -> float:
-    sec, self.carry = timing.timed(lambda: self.prefill_fn(self.params, self.toks, self.lens, self.layer_params))
+    sec, self.carry = timing.timed(lambda: self.prefill_fn(self.params, self.toks, self.lens))
     return sec
 
   def _step(self, carry):
