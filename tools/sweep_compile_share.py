@@ -2,6 +2,7 @@
 
   .venv/bin/python tools/sweep_compile_share.py --sweep=niah --config=configs/niah.py --out=/tmp/share.json
   .venv/bin/python tools/sweep_compile_share.py --sweep=ruler --config=configs/ruler.py:test --out=/tmp/s.json
+  .venv/bin/python tools/sweep_compile_share.py --table=results/compile_share     # summary.md of its records
 
 Runs the sweep's `run` in this process, into a fresh output folder (every cell computed; the persistent
 compilation cache off, so every program is compiled, unless `--compile_cache=FOLDER` names one: run twice with
@@ -25,14 +26,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def table(folder: Path) -> None:
+  """summary.md: one row per record (*.json) in the folder."""
+  lines = ["# The compile share of sweeps", "",
+           "Each row: one run of `tools/sweep_compile_share.py` (its command and commit in the row), every cell "
+           "computed in one process; `compile s`: the union of JAX's trace, lower and XLA-compile spans; "
+           "`programs`: XLA compilations (or read-backs, with a warm folder). The load average moved between "
+           "runs (2 CPUs shared with other jobs): compare the compile seconds more than the wall seconds.", "",
+           "| record | commit | date | load | wall s | compile s | share | trace s | lower s | XLA s | programs "
+           "| cells | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+  for path in sorted(folder.glob("*.json")):
+    r = json.loads(path.read_text())
+    lines.append(f"| {path.stem} | {r['commit']} | {r['date']} | {r['load_start']:.1f}-{r['load_end']:.1f} "
+                 f"| {r['wall_s']:.0f} | {r['all_compile_s']:.0f} | {r['compile_share']:.0%} | {r['trace_s']:.0f} "
+                 f"| {r['lower_s']:.0f} | {r['compile_s']:.0f} | {r['programs']} | {r['cells']} | `{r['command']}` |")
+  (folder / "summary.md").write_text("\n".join(lines) + "\n")
+  print("wrote", folder / "summary.md")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--sweep", required=True, choices=("niah", "ruler", "perplexity"))
-  ap.add_argument("--config", required=True, help="a config file, e.g. configs/niah.py or configs/ruler.py:test")
+  ap.add_argument("--table", help="write summary.md of the records in this folder and exit")
+  ap.add_argument("--sweep", choices=("niah", "ruler", "perplexity"))
+  ap.add_argument("--config", help="a config file, e.g. configs/niah.py or configs/ruler.py:test")
   ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE overrides (strings), repeatable")
   ap.add_argument("--compile_cache", default="0", help="the persistent compilation cache's folder; 0: off")
-  ap.add_argument("--out", required=True)
+  ap.add_argument("--out")
   args = ap.parse_args()
+  if args.table:
+    table(Path(args.table))
+    return
+  if not (args.sweep and args.config and args.out):
+    ap.error("--sweep, --config and --out are required (or --table)")
   os.environ["SPECACHE_JAX_COMPILE_CACHE"] = args.compile_cache
   import jax
   from specache_jax import clock
