@@ -35,11 +35,26 @@ def table(folder: Path) -> None:
            "runs (2 CPUs shared with other jobs): compare the compile seconds more than the wall seconds.", "",
            "| record | commit | date | load | wall s | compile s | share | trace s | lower s | XLA s | programs "
            "| cells | command |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-  for path in sorted(folder.glob("*.json")):
-    r = json.loads(path.read_text())
-    lines.append(f"| {path.stem} | {r['commit']} | {r['date']} | {r['load_start']:.1f}-{r['load_end']:.1f} "
+  records = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+  programs = {k: r for k, r in records.items() if "methods" in r}       # tools/program_compile_bench.py's
+  for stem, r in records.items():
+    if stem in programs:
+      continue
+    lines.append(f"| {stem} | {r['commit']} | {r['date']} | {r['load_start']:.1f}-{r['load_end']:.1f} "
                  f"| {r['wall_s']:.0f} | {r['all_compile_s']:.0f} | {r['compile_share']:.0%} | {r['trace_s']:.0f} "
                  f"| {r['lower_s']:.0f} | {r['compile_s']:.0f} | {r['programs']} | {r['cells']} | `{r['command']}` |")
+  if programs:
+    lines += ["", "## The two programs of a generation, per method (`tools/program_compile_bench.py`)", "",
+              "SmolLM2, batch 1, a (1000, 32) call's shapes; seconds through JAX's ahead-of-time API, nothing run.",
+              "", "| record | commit | date | load | method | start trace / lower / XLA s "
+              "| loop trace / lower / XLA s | loop StableHLO kchars |", "|---|---|---|---|---|---|---|---:|"]
+    for stem, r in programs.items():
+      for name, m in r["methods"].items():
+        lines.append(f"| {stem} | {r['commit']} | {r['date']} | {r['load_start']:.1f}-{r['load_end']:.1f} "
+                     f"| {name} | {m['start_trace_s']:.1f} / {m['start_lower_s']:.1f} / {m['start_compile_s']:.1f} "
+                     f"| {m['loop_trace_s']:.1f} / {m['loop_lower_s']:.1f} / {m['loop_compile_s']:.1f} "
+                     f"| {m['loop_stablehlo_chars'] // 1000} |")
+    lines.append(f"\nCommands: " + "; ".join(f"`{r['command']}` ({r['commit']})" for r in programs.values()))
   (folder / "summary.md").write_text("\n".join(lines) + "\n")
   print("wrote", folder / "summary.md")
 
