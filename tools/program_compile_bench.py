@@ -6,15 +6,18 @@ off):
 
 SmolLM2 by default, batch 1, a 1000-token prompt in a 1024-wide array, a 64-wide output (the default shape
 buckets of a (1000, 32) call). Each method in its own process; run it at two commits to compare. The record also
-holds the size of the loop's StableHLO text (one layer function called L times, or L inlined layers).
+holds the size of the loop's StableHLO text (one layer function called L times, or L inlined layers) and the
+compiled loop's instruction, fusion and copy counts (the program XLA runs: equal counts, equal steps).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,7 +63,9 @@ def _child(model_name: str, name: str) -> dict:
   traced = timed("loop_trace_s", lambda: decode.loop_jit.trace(params, state, spec, *bound, **kw))
   lowered = timed("loop_lower_s", traced.lower)
   out["loop_stablehlo_chars"] = len(lowered.as_text())
-  timed("loop_compile_s", lowered.compile)
+  compiled = timed("loop_compile_s", lowered.compile)
+  ops = collections.Counter(re.findall(r"= [^=]*? ([a-z][a-z0-9-]*)\(", compiled.as_text()))
+  out.update(loop_hlo_instructions=sum(ops.values()), loop_hlo_fusions=ops["fusion"], loop_hlo_copies=ops["copy"])
   return out
 
 

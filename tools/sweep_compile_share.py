@@ -47,13 +47,15 @@ def table(folder: Path) -> None:
     lines += ["", "## The two programs of a generation, per method (`tools/program_compile_bench.py`)", "",
               "SmolLM2, batch 1, a (1000, 32) call's shapes; seconds through JAX's ahead-of-time API, nothing run.",
               "", "| record | commit | date | load | method | start trace / lower / XLA s "
-              "| loop trace / lower / XLA s | loop StableHLO kchars |", "|---|---|---|---|---|---|---|---:|"]
+              "| loop trace / lower / XLA s | loop StableHLO kchars | compiled loop: instructions / fusions / copies |",
+              "|---|---|---|---|---|---|---|---:|---|"]
     for stem, r in programs.items():
       for name, m in r["methods"].items():
         lines.append(f"| {stem} | {r['commit']} | {r['date']} | {r['load_start']:.1f}-{r['load_end']:.1f} "
                      f"| {name} | {m['start_trace_s']:.1f} / {m['start_lower_s']:.1f} / {m['start_compile_s']:.1f} "
                      f"| {m['loop_trace_s']:.1f} / {m['loop_lower_s']:.1f} / {m['loop_compile_s']:.1f} "
-                     f"| {m['loop_stablehlo_chars'] // 1000} |")
+                     f"| {m['loop_stablehlo_chars'] // 1000} | {m.get('loop_hlo_instructions', '–')} / "
+                     f"{m.get('loop_hlo_fusions', '–')} / {m.get('loop_hlo_copies', '–')} |")
     lines.append(f"\nCommands: " + "; ".join(f"`{r['command']}` ({r['commit']})" for r in programs.values()))
   (folder / "summary.md").write_text("\n".join(lines) + "\n")
   print("wrote", folder / "summary.md")
