@@ -242,15 +242,26 @@ def answers_section(store, labels, length: int, tasks, width: int = 80) -> str:
   return "\n".join(lines) + "\n"
 
 
+def sample_counts(store: ResultStore, labels) -> dict[str, int]:
+  """label -> how many sample indices it has stored cells for (any task or length)."""
+  return {label: len({r.get("index") for r in store.cells.values() if r.get("method") == label})
+          for label in labels if any(r.get("method") == label for r in store.cells.values())}
+
+
 def write_outputs(config, store, labels, lengths, tasks, command, seconds) -> str:
   out_dir = pathlib.Path(config.output_dir)
+  ran = sample_counts(store, labels)
+  most = max(ran.values(), default=config.samples)
+  fewer = ", ".join(f"{label}: {k}" for label, k in ran.items() if k < most)
   intro = [f"Model `{config.model}`; RULER's 13 tasks generated here (`specache_jax/data/ruler`, seed "
-           f"{config.seed}), {config.samples} samples per task; the model's chat template, then RULER's answer "
+           f"{config.seed}), {most} samples per task"
+           + (f" ({fewer}: a subset, the first samples of each task)" if fewer else "")
+           + "; the model's chat template, then RULER's answer "
            "prefix; greedy, each task's generation budget"
            + (f" capped at {config.max_new_tokens_cap}" if config.max_new_tokens_cap else "") + ", stop at EOS.",
            "Scores: RULER's string_match_all (niah, vt, cwe, fwe) and string_match_part (qa), ×100. Intervals: "
-           "95% Wilson intervals over the samples (the average's over all its samples). StreamingLLM and H2O "
-           "are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over batches "
+           "95% Wilson intervals over the samples (the average's over all its samples). StreamingLLM, H2O, "
+           "Quest and InfLLM are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over batches "
            "(incl. compilation).",
            f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
   text = report.header("RULER", command, intro)
