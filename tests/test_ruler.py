@@ -329,6 +329,23 @@ def test_summary_table_in_the_papers_layout(tmp_path):
   assert notes[1] == "- specache_1bit: below full on S1 -50.0, VT -50.0"
 
 
+def test_the_summary_names_the_methods_that_ran_fewer_samples(tmp_path):
+  from configs import ruler as ruler_cfg
+  from experiments.lib import ruler as sweep
+  from experiments.lib.store import ResultStore
+  store = ResultStore(tmp_path / "r.json")
+  for label, k in (("full", 3), ("quest", 1)):
+    store.put_many({sweep.cell_id(label, "vt", 4096, i): dict(method=label, task="vt", length=4096, index=i,
+                                                               score=1.0, batch_seconds=1.0, batch_rows=1,
+                                                               answer="x", references=["x"])
+                    for i in range(k)}, "fp")
+  c = ruler_cfg.get_config("test")
+  c.output_dir, c.samples = str(tmp_path), 1
+  assert sweep.sample_counts(store, ["full", "quest", "h2o"]) == {"full": 3, "quest": 1}
+  sweep.write_outputs(c, store, ["full", "quest"], [4096], ["vt"], "cmd", 1.0)
+  assert "3 samples per task (quest: 1: a subset, the first samples of each task)" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.fixture(scope="module")
 def tiny():
   from experiments.lib import models
