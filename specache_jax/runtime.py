@@ -328,10 +328,11 @@ class OffloadRuntime:
     rope_1 = jax.tree.map(lambda r: r[:, :1], rope)
     auxes = []
     for i, l in enumerate(self.groups[g]):
+      # Donated here only when there is something to install; else first after this layer's fetch is waited on,
+      # when the worker (FIFO) has written the rows a flush passed from this state.
       st = self.states[l]
-      if rows is not None or obs is not None:        # else unchanged: not donated before the wait for this fetch,
-        st = _prepared(st, None if rows is None else rows[i], obs, method=self.method)   # which follows the
-                                                     # writes of the rows a flush passed from this state
+      if rows is not None or obs is not None:
+        st = _prepared(st, None if rows is None else rows[i], obs, method=self.method)
       kappa = _kappa_for_step(self.layer_params[l], x[:, :1], lengths_B, rope_1, st, **kw)
       st = _with_fetched(st, kappa, self.store.fetch((l,), (kappa,)).result()[0], method=self.method)
       x, (self.states[l],), aux = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, None,

@@ -343,7 +343,8 @@ def test_the_summary_names_the_methods_that_ran_fewer_samples(tmp_path):
   c.output_dir, c.samples = str(tmp_path), 1
   assert sweep.sample_counts(store, ["full", "quest", "h2o"]) == {"full": 3, "quest": 1}
   sweep.write_outputs(c, store, ["full", "quest"], [4096], ["vt"], "cmd", 1.0)
-  assert "3 samples per task (quest: 1: a subset, the first samples of each task)" in (tmp_path / "summary.md").read_text()
+  summary = (tmp_path / "summary.md").read_text()
+  assert "3 samples per task (quest: 1: a subset, the first samples of each task)" in summary
 
 
 @pytest.fixture(scope="module")

@@ -261,8 +261,8 @@ def write_outputs(config, store, labels, lengths, tasks, command, seconds) -> st
            + (f" capped at {config.max_new_tokens_cap}" if config.max_new_tokens_cap else "") + ", stop at EOS.",
            "Scores: RULER's string_match_all (niah, vt, cwe, fwe) and string_match_part (qa), ×100. Intervals: "
            "95% Wilson intervals over the samples (the average's over all its samples). StreamingLLM, H2O, "
-           "Quest and InfLLM are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over batches "
-           "(incl. compilation).",
+           "Quest and InfLLM are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over "
+           "batches (incl. compilation).",
            f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
   text = report.header("RULER", command, intro)
   first = ""

@@ -197,9 +197,9 @@ def _device_rows(method: InfLLMConfig, st: State, k_BKTH, v_BKTH, lengths) -> St
   pos = start + (slot - ring_slot(method, start)) % method.window                            # [B, window]
   pos_BKW = jnp.broadcast_to(pos[:, None, :], (b, n_kv, method.window))
   init_BKI = jnp.broadcast_to(jnp.arange(method.n_init, dtype=jnp.int32)[None, None, :], (b, n_kv, method.n_init))
-  dt = st.ring_k.dtype
-  return st.replace(init_k=A.gather_rows(k_BKTH, init_BKI).astype(dt), init_v=A.gather_rows(v_BKTH, init_BKI).astype(dt),
-                    ring_k=A.gather_rows(k_BKTH, pos_BKW).astype(dt), ring_v=A.gather_rows(v_BKTH, pos_BKW).astype(dt))
+  rows = lambda x, at: A.gather_rows(x, at).astype(st.ring_k.dtype)      # noqa: E731
+  return st.replace(init_k=rows(k_BKTH, init_BKI), init_v=rows(v_BKTH, init_BKI), ring_k=rows(k_BKTH, pos_BKW),
+                    ring_v=rows(v_BKTH, pos_BKW))
 
 
 def rows_of(method: InfLLMConfig, chosen_BKX, n_B):
