@@ -30,12 +30,15 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   # label -> cache settings (experiments/lib/methods.py): the paper's methods and SpeCache 1-bit's
   # robust-speculation variants, e.g. exact_on_miss (on a speculation miss, fetch the real token's own top-k
   # synchronously; off in the paper's method), skip_ring, the robust preset, and the retrieval baselines
-  # Quest and InfLLM at SpeCache 1-bit's device bytes (run them with --config.run_methods).
+  # Quest and InfLLM at SpeCache 1-bit's device bytes.
   c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval())
   # Labels run, in order: the 16-bit reference, KIVI 1-bit (g64, R128), SpeCache 1-bit and 2-bit (g64, R64,
-  # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss, and
-  # SpeCache 1-bit with the robust preset (docs/speculation.md).
-  c.run_methods = "full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom,specache_1bit_robust"
+  # k64), StreamingLLM / H2O sized to SpeCache 1-bit's device bytes, SpeCache 1-bit with exact_on_miss,
+  # SpeCache 1-bit with the robust preset (docs/speculation.md), and Quest / InfLLM sized to SpeCache 1-bit's
+  # device bytes (InfLLM at its paper's settings does not fit those bytes at 1k-2k on SmolLM2: its cells are
+  # not run and the summary says why; infllm_b32 is InfLLM with blocks of 32, scaled to these contexts).
+  c.run_methods = ("full,kivi_1bit,specache_1bit,specache_2bit,streaming,h2o,specache_1bit_eom,specache_1bit_robust,"
+                   "quest,infllm,infllm_b32")
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/niah
@@ -47,7 +50,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.dtype = "bfloat16"
     c.lengths = "1024,2048,4096,6144,8000"
     c.depths = "0.0,0.1,0.25,0.5,0.75,0.9,1.0"
-    c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+    c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o,quest,infllm"
     c.output_dir = "runs/niah_gpu"
   elif arg == "test":
     c.model = "tiny-random"

@@ -34,7 +34,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval(),   # robust: issue 14's variants
                    specache_1bit_oracle=dict(methods.standard()["specache_1bit"], spec_row="text"),
                    specache_2bit_oracle=dict(methods.standard()["specache_2bit"], spec_row="text"))
-  c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o"   # labels run, in order
+  c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,streaming,h2o,quest,infllm"   # labels run, in order
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.output_dir = "runs/perplexity"   # results.json (resumable cells), summary.md, perplexity.png
@@ -59,7 +59,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.window_tokens = 8192
     c.prefix_tokens = 256
     c.buckets = "0-1024,1024-4096,4096-8192"
-    c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,kivi_2bit,streaming,h2o"
+    c.run_methods = "full,specache_1bit,specache_2bit,kivi_1bit,kivi_2bit,streaming,h2o,quest,infllm"
     c.output_dir = "runs/perplexity_gpu"
   elif arg == "test":
     c.model = "tiny-random"

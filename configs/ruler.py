@@ -3,7 +3,7 @@
 The 11 synthetic tasks need no data; qa_1 / qa_2 read the official SQuAD v2.0 dev (dev-v2.0.json) and HotpotQA
 dev distractor (hotpot_dev_distractor_v1.json) files from the paths you give.
 Run (from the repository root):
-  python -m experiments.ruler --config=configs/ruler.py           # "cpu": SmolLM2-135M at 4k, 8 methods, ~2 h
+  python -m experiments.ruler --config=configs/ruler.py           # "cpu": SmolLM2-135M at 4k, 10 methods, ~2.5 h
   python -m experiments.ruler --config=configs/ruler.py:gpu --config.model=/path/to/Llama-3.1-8B-Instruct \
       --config.squad=/path/to/dev-v2.0.json --config.hotpotqa=/path/to/hotpot_dev_distractor_v1.json
   python -m experiments.ruler --config=configs/ruler.py:test      # random tiny model (pipeline smoke test)
@@ -33,11 +33,13 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.max_new_tokens_cap = 0          # 0 = each task's RULER budget (niah 128, vt 30, cwe 120, fwe 50, qa 32)
   # label -> cache settings (experiments/lib/methods.py): the paper's methods and SpeCache 1-bit's
   # speculation variants (exact_on_miss, skip_ring, the robust preset, ...) and the retrieval baselines
-  # Quest and InfLLM at SpeCache 1-bit's device bytes (run them with --config.run_methods).
+  # Quest and InfLLM at SpeCache 1-bit's device bytes.
   c.methods = dict(methods.standard(), **methods.robust(), **methods.retrieval())
   # Labels run, in order: the 16-bit reference, KIVI 1/2-bit (g64, R128), SpeCache 1/2-bit (g64, R64, k64),
-  # SpeCache 1-bit with exact_on_miss, StreamingLLM and H2O sized to SpeCache 1-bit's device bytes.
-  c.run_methods = ("full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_eom,streaming,h2o")
+  # SpeCache 1-bit with exact_on_miss, StreamingLLM, H2O, Quest and InfLLM sized to SpeCache 1-bit's device
+  # bytes.
+  c.run_methods = ("full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,specache_1bit_eom,streaming,h2o,quest,"
+                   "infllm")
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   # Resumable scratch (git-ignored): a rerun skips finished cells. The committed run is results/ruler

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches.attention import PrefillBlocks
-from specache_jax.caches.specache import HOST_STORES
+from specache_jax.caches.base import HOST_STORES
 from specache_jax.model.decoder import ROW_CHUNK
 
 

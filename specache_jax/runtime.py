@@ -1,21 +1,26 @@
-"""The offloaded SpeCache runtime: dispatch in layer groups that overlaps the κ fetch with compute.
+"""The offloaded runtime: the 16-bit cache in the host store, dispatch in layer groups that overlaps SpeCache's κ
+fetch with compute. It runs any method whose module is a `caches.base.OffloadModule` (SpeCache, Quest, InfLLM):
+the hooks name the rows fetched, how they enter the state and what is flushed to the host; κ below is the rows a
+step reads from the host (SpeCache's κ, Quest's pages, InfLLM's blocks).
 
 The layers run in a few consecutive groups (`layer_groups`; 5 calls per step by default), one jitted call per
 group: each call is a Python dispatch, and on a 2-core CPU or in front of a GPU the dispatching thread's time is
 not free. Step t, group g (all calls return at once under JAX's asynchronous dispatch; nothing blocks the loop):
-  1. κ_t: take group g's rows fetched during step t-1 (double buffer: `pending[g]`), or — non-speculative,
-     or exact_on_miss after a wrong guess
-     — choose each layer's κ_t from the real row now (the method's `kappa_for_step`) and fetch it
-     synchronously, layer by layer (the fetch on the critical path);
+  1. κ_t: take group g's rows fetched during step t-1 (double buffer: `pending[g]`), or — a method that does not
+     prefetch (SpeCache non-speculative, Quest, InfLLM: their rows come from the step's own query), or
+     exact_on_miss after a wrong guess — choose each layer's κ_t from the real row now (the method's
+     `kappa_for_step`) and fetch it synchronously, layer by layer (the fetch on the critical path);
   2. run the group's layers (the decoder's own per-layer function; SpeCache's `attend` with offload=True attends
      with the fetched rows, stores the real row on the device side and records κ_{t+1}), each after its
      speculation's `observe` hook saw the last step's outcome; their states are donated (updated in place) — only
      after `pending[g]` is waited on, so the worker has read their κ;
-  3. when a row's residual ring has just filled (every R steps), write its R 16-bit rows to the host store
-     at once (the host only ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows);
-  4. issue the gather of the group's κ_{t+1} rows on the host and their `jax.device_put` (one block per group)
-     — before group g+1 is dispatched, so the transfer runs while groups g+1.. of step t compute; it is
-     needed only by group g of step t+1.
+  3. write the rows the method flushes (`flushes`, counted on the host) to the host store: SpeCache's residual
+     ring when it has just filled (every R steps: its R 16-bit rows at once; the host only ever serves κ rows
+     below the ring's 16-bit keys: exactly the flushed rows), Quest's current page when it fills, InfLLM's block
+     as it leaves the local window;
+  4. (methods that prefetch) issue the gather of the group's κ_{t+1} rows on the host and their
+     `jax.device_put` (one block per group) — before group g+1 is dispatched, so the transfer runs while groups
+     g+1.. of step t compute; it is needed only by group g of step t+1.
 Then the step's tail is the jitted loop's (`decode.finish_step`, one call): sampling, stop tokens, the next input,
 the speculation outcome and the method's statistics on a `decode.DecodeState`, all left on the device.
 
@@ -25,8 +30,9 @@ step's attention; `generate` reads the stop condition once every `sync_every` st
 host started a step earlier (extra steps past all-done only write the pad id). A speculative step that hits reads
 nothing: the κ it needs next arrives through the host store's worker (the numpy store starts each κ's copy to the
 host as the group is dispatched, so the worker's read does not hold the dispatching thread). The SpeCache step itself is
-written once, in caches/specache.py, reached through `method.impl` (`with_fetched`, `kappa_for_step`,
-`fetches_on_critical_path`); here only the fetches differ (host store instead of a device gather).
+written once, in caches/specache.py, reached through `method.impl` (the `OffloadModule` hooks); here only the
+fetches differ (host store instead of a device gather). Quest and InfLLM have no speculative token: every step
+of theirs waits, layer by layer, for the rows its own query chose.
 """
 from __future__ import annotations
 
@@ -87,7 +93,7 @@ def _layers(lps, x, lengths, rope, sts, rows=None, obs=None, *, cfg, method, pha
   for i, (lp, st) in enumerate(zip(lps, sts)):
     st = _observed(method, st, obs)
     if rows is not None:
-      st = method.impl.with_fetched(st, st.kappa, *rows[i])
+      st = method.impl.with_fetched(method, st, method.impl.next_index(method, st), *rows[i])
     x, st, aux = dec.layer_forward(cfg, method, lp, x, lengths, st, phase, rope)
     out.append(_keep(st, layout))
     auxes.append(aux)
@@ -98,7 +104,7 @@ def _layers(lps, x, lengths, rope, sts, rows=None, obs=None, *, cfg, method, pha
 def _prepared(st, rows, obs, *, method):
   """A layer's state before a critical-path step: its hook told `obs`, the prefetched rows (or None) installed."""
   st = _observed(method, st, obs)
-  return st if rows is None else method.impl.with_fetched(st, st.kappa, *rows)
+  return st if rows is None else method.impl.with_fetched(method, st, method.impl.next_index(method, st), *rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method"))
@@ -119,7 +125,7 @@ def _predecode_observation(first_B, tokens_BS, lengths_B, *, method):
 
 @functools.partial(jax.jit, static_argnames=("method",), donate_argnums=0)
 def _with_fetched(st, kappa, rows, *, method):
-  return method.impl.with_fetched(st, kappa, *rows)
+  return method.impl.with_fetched(method, st, kappa, *rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "phase"))
@@ -198,12 +204,14 @@ class OffloadRuntime:
                dispatch_groups: int = DISPATCH_GROUPS, prefill_rows: int | None = None,
                sync_every: int = SYNC_EVERY):
     if not method.offload:
-      raise ValueError(f"the offload runtime needs a SpeCache config with offload=True; got {method!r}")
+      raise ValueError(f"the offload runtime needs a method config with offload=True; got {method!r}")
     self.cfg, self.method, self.batch, self.max_len = cfg, method, batch, max_len
     self.groups = layer_groups(cfg.n_layers, dispatch_groups)
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
       raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (decoding steps between stop checks)")
     self.sync_every = sync_every
+    self.prefetches = method.impl.prefetches(method)                # κ_{t+1} fetched during step t
+    self.reads_misses = self.prefetches and method.impl.fetches_on_critical_path(method)   # exact_on_miss
     self.host_reads = 0          # device -> host reads on the dispatching thread (`read`)
     self.mesh, self.check_numerics = mesh, check_numerics
     if mesh is not None:
@@ -251,11 +259,12 @@ class OffloadRuntime:
   def _waits_for_kappa(self, miss_B) -> bool:
     """Whether a step chooses its κ_t from the real row and waits for that fetch (`_critical_path_group`): the
     non-speculative ablation every step, exact_on_miss when some row's guesses all missed (miss_B, numpy or a
-    device array: read on the host, the one read the algorithm needs before the step's attention)."""
+    device array: read on the host, the one read the algorithm needs before the step's attention); every step of
+    a method that does not prefetch (Quest, InfLLM)."""
     method = self.method
     if not method.impl.fetches_on_critical_path(method):
       return False
-    if not method.speculation.speculative:
+    if not self.prefetches:
       return True
     return miss_B is not None and bool(np.any(self.read(miss_B)))
 
@@ -299,7 +308,8 @@ class OffloadRuntime:
 
   def _fetch_group(self, g):
     """Issue the host gather + transfer of group g's κ rows (the states' current κ) -> a pending fetch."""
-    return self.store.fetch(self.groups[g], tuple(self.states[l].kappa for l in self.groups[g]))
+    next_index = self.method.impl.next_index
+    return self.store.fetch(self.groups[g], tuple(next_index(self.method, self.states[l]) for l in self.groups[g]))
 
   def predecode(self, first_B, lengths_B):
     """T1 over the low-bit copy; issues the fetch of κ_1 per layer group right after that group."""
@@ -318,7 +328,11 @@ class OffloadRuntime:
     rope_1 = jax.tree.map(lambda r: r[:, :1], rope)
     auxes = []
     for i, l in enumerate(self.groups[g]):
-      st = _prepared(self.states[l], None if rows is None else rows[i], obs, method=self.method)
+      # Donated here only when there is something to install; else first after this layer's fetch is waited on,
+      # when the worker (FIFO) has written the rows a flush passed from this state.
+      st = self.states[l]
+      if rows is not None or obs is not None:
+        st = _prepared(st, None if rows is None else rows[i], obs, method=self.method)
       kappa = _kappa_for_step(self.layer_params[l], x[:, :1], lengths_B, rope_1, st, **kw)
       st = _with_fetched(st, kappa, self.store.fetch((l,), (kappa,)).result()[0], method=self.method)
       x, (self.states[l],), aux = _layers((self.layer_params[l],), x, lengths_B, rope, (st,), None, None,
@@ -343,20 +357,20 @@ class OffloadRuntime:
     if self.tokens is not None:                                          # the real row is stored at lengths
       self.tokens = _record(self.tokens, inp_BW, lengths_B)
     stored = self._stored + 1             # rows stored after this step (host count: lengths_B stays on device)
-    flushed = np.flatnonzero(stored % method.residual == 0)               # their ring holds a whole block
+    flushed, flush_start = method.impl.flushes(method, stored)            # e.g. their ring holds a whole block
     nxt_pending, auxes = [], ()
     for g, layers in enumerate(self.groups):
-      rows = pending[g].result() if method.speculation.speculative else None   # κ_t prefetched during step t-1
+      rows = pending[g].result() if self.prefetches else None            # κ_t prefetched during step t-1
       if sync:
         x, aux = self._critical_path_group(g, x, lengths_B, rope, rows, obs)
       else:
         x, aux = self._run_group(g, x, lengths_B, rope, rows, "decode", obs)
       auxes += aux
-      if flushed.size:                                                   # rings just filled: R rows each
+      if flushed.size:                                                   # e.g. rings just filled: R rows each
         for l in layers:
-          st = self.states[l]
-          self.store.write_block(l, st.low.ring_k, st.low.ring_v, stored - method.residual, flushed)
-      if method.speculation.speculative:
+          k, v = method.impl.flushed_rows(method, self.states[l], flush_start)
+          self.store.write_block(l, k, v, flush_start, flushed)
+      if self.prefetches:
         nxt_pending.append(self._fetch_group(g))                          # κ_{t+1}: overlaps groups g+1..
     self._stored = stored
     self._guard(self._step_index, "decode", x)
@@ -379,7 +393,7 @@ class OffloadRuntime:
     miss = state.missed if self.method.speculation.width > 1 else None
     x, auxes, pending = self.step(state.inp, state.cache.lengths, pending, miss)
     state = _finish(self.params, x, auxes, state, self.tokens, spec, cfg=self.cfg, method=self.method)
-    if self.method.speculation.exact_on_miss:
+    if self.reads_misses:
       state.missed.copy_to_host_async()              # the next step reads it (`_waits_for_kappa`)
     return state, pending
 

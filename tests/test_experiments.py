@@ -205,6 +205,24 @@ def test_niah_cases_and_table(tiny, tmp_path):
   assert (tmp_path / "heatmaps.png").exists()
 
 
+def test_niah_runs_the_retrieval_methods_and_says_why_a_cell_cannot_run(tiny, tmp_path):
+  """Quest and InfLLM sized to SpeCache 1-bit's bytes: at these lengths the tiny model's SpeCache bytes are below
+  InfLLM's smallest budget (its paper's 128 initial tokens + a block of 128), so its cells are not run and the
+  summary says why; Quest's run."""
+  cfg = _cfg(niah_cfg, tmp_path, run_methods="full,quest,infllm")
+  logs = []
+  res = niah.run(cfg, model=tiny, log=logs.append)
+  lengths, depths = niah.grid(cfg)
+  assert res.computed == 2 * len(lengths) * len(depths)
+  assert all(res.records[niah.cell_id("quest", n, d)]["settings"]["name"] == "quest" for n in lengths for d in depths)
+  assert not any(key.startswith("infllm/") for key in res.records)
+  summary = (tmp_path / "summary.md").read_text()
+  for n in lengths:
+    assert f"- infllm: not run at {n} tokens (specache uses" in summary
+    assert any(line.startswith(f"niah infllm @ {n} tokens: not run") for line in logs)
+  assert [r[0] for r in _without_seconds(res.table)[2:]] == ["full", "quest"]
+
+
 def test_niah_answer_check_reads_the_needle(tiny, tmp_path):
   cfg = _cfg(niah_cfg, tmp_path)
   case = niah.build_cases(cfg, tiny.tokenizer, [320], [0.5])[320, 0.5]

@@ -245,7 +245,8 @@ def test_a_small_budget_differs_from_full_and_stays_finite(name, settings):
     (dict(budget=8, page_size=0), "page_size=0 must be an integer >= 1"),
     (dict(budget=4, page_size=8), "budget=4 must be an integer >= 8"),
     (dict(budget=32.0), "budget=32.0 must be an integer"),
-    (dict(budget=32, offload=True), r"unknown setting\(s\) \['offload'\]")])
+    (dict(budget=32, offload="yes"), "offload='yes' must be a bool"),
+    (dict(budget=32, offload=True, host_store="disk"), "host_store='disk' must be one of")])
 def test_bad_quest_settings_fail_clearly(settings, match):
   with pytest.raises(ConfigError, match=match):
     sj.cache_config("quest", **settings)
@@ -259,7 +260,8 @@ def test_bad_quest_settings_fail_clearly(settings, match):
     (dict(budget=64, n_init=4, block_size=8, repr_topk=0), "repr_topk=0 must be an integer >= 1"),
     (dict(budget=64, n_init=4, block_size=8, local=4), "local=4 must be an integer >= 8"),
     (dict(budget=64, n_init=4, block_size=8, local=61), r"n_init=4 \+ local=61 must be <= budget=64"),
-    (dict(budget=64, offload=True), r"unknown setting\(s\) \['offload'\]")])
+    (dict(budget=64, n_init=4, block_size=8, offload=1), "offload=1 must be a bool"),
+    (dict(budget=64, n_init=4, block_size=8, offload=True, host_store=None), "host_store=None must be one of")])
 def test_bad_infllm_settings_fail_clearly(settings, match):
   with pytest.raises(ConfigError, match=match):
     sj.cache_config("infllm", **settings)

@@ -329,6 +329,27 @@ def test_summary_table_in_the_papers_layout(tmp_path):
   assert notes[1] == "- specache_1bit: below full on S1 -50.0, VT -50.0"
 
 
+def test_the_summary_names_the_methods_that_ran_fewer_samples(tmp_path):
+  from configs import ruler as ruler_cfg
+  from experiments.lib import ruler as sweep
+  from experiments.lib.store import ResultStore
+  store = ResultStore(tmp_path / "r.json")
+  for label, got in (("full", [1.0, 0.0, 0.0]), ("quest", [0.5])):
+    store.put_many({sweep.cell_id(label, "vt", 4096, i): dict(method=label, task="vt", length=4096, index=i,
+                                                               score=sc, batch_seconds=1.0, batch_rows=1,
+                                                               answer="x", references=["x"])
+                    for i, sc in enumerate(got)}, "fp")
+  c = ruler_cfg.get_config("test")
+  c.output_dir, c.samples = str(tmp_path), 1
+  assert sweep.sample_counts(store, ["full", "quest", "h2o"]) == {"full": 3, "quest": 1}
+  sweep.write_outputs(c, store, ["full", "quest"], [4096], ["vt"], "cmd", 1.0)
+  summary = (tmp_path / "summary.md").read_text()
+  assert "3 samples per task (quest: 1: a subset, the first samples of each task)" in summary
+  assert "| quest | 50.0 | 50.0 [5.5, 94.5] | +16.7 | 1 | 1 |" in summary        # Δ: vs all 3 of full's
+  assert ("- quest ran the first 1 sample(s) of 1 task(s): 50.0 on average, the full cache 100.0 on the same "
+          "samples (-50.0).") in summary
+
+
 @pytest.fixture(scope="module")
 def tiny():
   from experiments.lib import models

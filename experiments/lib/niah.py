@@ -19,7 +19,7 @@ import numpy as np
 
 from experiments.lib import methods, models, report
 from experiments.lib.store import ResultStore, SweepResult, atomic_write_text, fingerprint
-from specache_jax.caches.budget import device_bytes_at
+from specache_jax.caches.budget import BudgetBelowSmallest, device_bytes_at
 from specache_jax.data import corpora
 from specache_jax.data import niah as niah_data
 
@@ -105,6 +105,7 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
   computed = skipped = 0
   groups = [(label, n, key) for label in labels for n in lengths for key in specs]
   previous = None
+  not_run: dict[tuple[str, int], str] = {}      # (label, length) -> why its cells cannot run
   for label, n, key in report.progress(groups, desc="niah"):
     if label != previous:      # a method's programs are not used again (ruler.py: vm.max_map_count)
       jax.clear_caches()
@@ -118,7 +119,12 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
       break
     prompts = [list(cases[key][n, d].prompt_ids) for d in todo]
     max_len = max(len(p) for p in prompts) + config.max_new_tokens + 2
-    method = methods.build(config, label, model.config, max_len, dtype)
+    try:
+      method = methods.build(config, label, model.config, max_len, dtype)
+    except BudgetBelowSmallest as e:       # a matched budget below the method's smallest: no such setting here
+      not_run[label, n] = str(e)
+      log(f"niah {label} @ {n} tokens: not run ({e})")
+      continue
     t0 = time.time()
     toks, nums, _ = models.generate_rows(model, prompts, max_new_tokens=config.max_new_tokens, cache=method,
                                          stop_tokens=stops, mesh=mesh)
@@ -136,7 +142,8 @@ def run(config, model=None, command: str = "python -m experiments.niah --config=
     needle = f" ({key})" if key else ""
     log(f"niah {label} @ {n} tokens{needle}: {sum(r['correct'] for r in recs.values())}/{len(recs)} correct "
         f"({seconds:.1f} s)")
-  table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start, list(specs))
+  table = write_outputs(config, store, labels, lengths, depths, command, time.time() - start, list(specs),
+                        not_run)
   return SweepResult(table, store.cells, computed, skipped, time.time() - start)
 
 
@@ -206,9 +213,11 @@ def answers_section(store: ResultStore, labels, lengths, depths, width: int = 90
   return "\n".join(lines) + "\n"
 
 
-def write_outputs(config, store, labels, lengths, depths, command, seconds, keys=(PRIMARY,)) -> str:
+def write_outputs(config, store, labels, lengths, depths, command, seconds, keys=(PRIMARY,), not_run=None) -> str:
+  """not_run: (label, length) -> why those cells cannot run (a matched budget below the method's smallest)."""
   out_dir = pathlib.Path(config.output_dir)
   table, notes = summary_table(store, labels, lengths, depths, keys)
+  notes += [f"- {label}: not run at {n} tokens ({why})" for (label, n), why in (not_run or {}).items()]
   batches = {(r["method"], r["length"], r["batch_seconds"]) for r in store.cells.values()
              if r.get("method") in labels}
   intro = [f"Model `{config.model}`; haystack: Paul Graham essays; columns `length@depth` (context tokens @ "
@@ -219,7 +228,7 @@ def write_outputs(config, store, labels, lengths, depths, command, seconds, keys
              f"answer contains {s.match} of \"{','.join(s.answer_keywords)}\"."
              for k, s in needles(config).items() if k],
            "Device MiB: the cache's accelerator bytes for one row at the longest context, in the model's dtype "
-           "(StreamingLLM and H2O are sized to SpeCache 1-bit's bytes at each length).",
+           "(StreamingLLM, H2O, Quest and InfLLM are sized to SpeCache 1-bit's bytes at each length).",
            f"Generation time summed over all cells (`seconds`, incl. compilation): "
            f"{sum(b[2] for b in batches):.0f} s; wall time of this invocation: {seconds:.0f} s (reused cells "
            "are not re-timed)."]

@@ -16,6 +16,7 @@ import hashlib
 import math
 import pathlib
 import time
+import types
 
 import jax
 import numpy as np
@@ -242,16 +243,50 @@ def answers_section(store, labels, length: int, tasks, width: int = 80) -> str:
   return "\n".join(lines) + "\n"
 
 
+def sample_counts(store: ResultStore, labels) -> dict[str, int]:
+  """label -> how many sample indices it has stored cells for (any task or length)."""
+  return {label: len({r.get("index") for r in store.cells.values() if r.get("method") == label})
+          for label in labels if any(r.get("method") == label for r in store.cells.values())}
+
+
+def subset_notes(store: ResultStore, labels, length: int, tasks, ran: dict[str, int], most: int) -> list[str]:
+  """For each label that ran fewer samples than the others: the full cache's average over the same samples and
+  tasks (the like-for-like comparison; the table's Δ compares with all of full's)."""
+  notes = []
+  for label, k in ran.items():
+    if k >= most or label == "full":
+      continue
+    view = _first_samples(store, k)
+    own = scores(view, [label], length, tasks).get(label, {})
+    done = [t for t in tasks if t in own]
+    full = scores(view, ["full"], length, done).get("full", {})
+    if done and "avg" in full:
+      notes.append(f"- {label} ran the first {k} sample(s) of {len(done)} task(s): {own['avg'][0]:.1f} on "
+                   f"average, the full cache {full['avg'][0]:.1f} on the same samples "
+                   f"({own['avg'][0] - full['avg'][0]:+.1f}).")
+  return notes
+
+
+def _first_samples(store: ResultStore, k: int):
+  """A view of the store with the cells of sample indices < k only (what `scores` reads: `.cells`)."""
+  return types.SimpleNamespace(cells={c: r for c, r in store.cells.items() if r.get("index", 0) < k})
+
+
 def write_outputs(config, store, labels, lengths, tasks, command, seconds) -> str:
   out_dir = pathlib.Path(config.output_dir)
+  ran = sample_counts(store, labels)
+  most = max(ran.values(), default=config.samples)
+  fewer = ", ".join(f"{label}: {k}" for label, k in ran.items() if k < most)
   intro = [f"Model `{config.model}`; RULER's 13 tasks generated here (`specache_jax/data/ruler`, seed "
-           f"{config.seed}), {config.samples} samples per task; the model's chat template, then RULER's answer "
+           f"{config.seed}), {most} samples per task"
+           + (f" ({fewer}: a subset, the first samples of each task)" if fewer else "")
+           + "; the model's chat template, then RULER's answer "
            "prefix; greedy, each task's generation budget"
            + (f" capped at {config.max_new_tokens_cap}" if config.max_new_tokens_cap else "") + ", stop at EOS.",
            "Scores: RULER's string_match_all (niah, vt, cwe, fwe) and string_match_part (qa), ×100. Intervals: "
-           "95% Wilson intervals over the samples (the average's over all its samples). StreamingLLM and H2O "
-           "are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over batches "
-           "(incl. compilation).",
+           "95% Wilson intervals over the samples (the average's over all its samples). StreamingLLM, H2O, "
+           "Quest and InfLLM are sized to SpeCache 1-bit's device bytes. `seconds`: generation time summed over "
+           "batches (incl. compilation).",
            f"Wall time of this invocation: {seconds:.0f} s (reused cells are not re-timed)."]
   text = report.header("RULER", command, intro)
   first = ""
@@ -259,6 +294,7 @@ def write_outputs(config, store, labels, lengths, tasks, command, seconds) -> st
     table, itable, notes = summary_tables(store, labels, n, tasks)
     first = first or table
     text += f"\n## {n} tokens\n\n{table}\n\n95% intervals per task:\n\n{itable}\n"
+    notes += subset_notes(store, labels, n, tasks, ran, most)
     if notes:
       text += "\n" + "\n".join(notes) + "\n"
     text += "\n" + answers_section(store, labels, n, tasks)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specache_jax.caches.speculation import NO_SPECULATION, Speculation
@@ -37,11 +38,55 @@ class MethodModule(Protocol):
     """Bytes the state keeps in accelerator memory."""
 
 
+class OffloadModule(MethodModule, Protocol):
+  """What the offloaded runtime (runtime.py) asks of a method whose 16-bit cache lives in the host store
+  (`offload=True`: SpeCache, Quest, InfLLM). The runtime knows no method: it fetches rows at the positions these
+  hooks name, installs them, and writes back the rows they flush. idx [B, K, X] int32: positions of the 16-bit
+  rows a step reads from the host (SpeCache's κ)."""
+
+  def prefetches(self, method: "CacheConfig") -> bool:
+    """Whether a step ends knowing the next step's idx (`next_index`), so that fetch overlaps the later layers
+    (SpeCache's speculation); else nothing is fetched ahead."""
+
+  def next_index(self, method: "CacheConfig", st) -> jax.Array:
+    """The idx the next step reads, recorded by this step's attend (only a module that `prefetches` has it)."""
+
+  def fetches_on_critical_path(self, method: "CacheConfig") -> bool:
+    """Whether a step may choose its idx from its own query (`kappa_for_step`) and wait for the fetch: every
+    step where nothing is prefetched, else only after a miss (`Speculation`'s miss report)."""
+
+  def kappa_for_step(self, method: "CacheConfig", st, q, k_new, v_new, lengths) -> jax.Array:
+    """The idx of this step's attend, chosen now from the step's rows q [B,T,N,H], k/v_new [B,T,K,H]."""
+
+  def with_fetched(self, method: "CacheConfig", st, idx_BKX, k_rows_BKXH, v_rows_BKXH) -> Any:
+    """The state with the host rows at idx installed for the next attend."""
+
+  def flushes(self, method: "CacheConfig", stored_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side (numpy, no device read): after a step that leaves stored_B [B] rows stored, (the batch rows
+    whose device-held 16-bit rows go to the host now, start_B [B] the first position of each row's block)."""
+
+  def flushed_rows(self, method: "CacheConfig", st, start_B: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """The block `flushes` named: k, v [B, K, R, H], row b's written at start_B[b].. of the host store."""
+
+
+HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
+
+
+def check_offload(offload, host_store) -> None:
+  """The offload settings a retrieval method shares (`offload`, `host_store`)."""
+  if not isinstance(offload, bool):
+    raise ConfigError(f"offload={offload!r} must be a bool (True: the 16-bit cache in the host store)")
+  if host_store not in HOST_STORES:
+    raise ConfigError(f"host_store={host_store!r} must be one of {HOST_STORES}")
+
+
 class CacheConfig:
   """Base of every method's frozen config dataclass, with the optional hooks' defaults."""
   name: ClassVar[str] = ""
   needs_attention_colsum: ClassVar[bool] = False
-  offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it)
+  offload: bool = False                       # the 16-bit cache lives in host memory (runtime.py runs it; the
+                                              # module is then an `OffloadModule`)
+  host_store: str = "auto"                    # where, when offloaded (offload.py)
   speculation: Speculation = NO_SPECULATION   # one row per step (SpeCache overrides it with a field)
 
   @property

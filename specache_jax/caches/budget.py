@@ -36,6 +36,11 @@ class _Sized:
     return tree_nbytes(self)
 
 
+class BudgetBelowSmallest(ConfigError):
+  """The reference's device bytes are fewer than the method's smallest budget takes: no matched setting exists
+  at this length (a sweep may skip the cell and say so)."""
+
+
 def device_bytes_at(method: CacheConfig, model_cfg: ModelConfig, max_len: int, dtype, batch: int = 1) -> int:
   """The method's accelerator bytes for `batch` rows of `max_len` tokens, from eval_shape (no allocation); with
   `speculation.keeps_tokens`, the cache's int32 token ids (`Cache.tokens`) too."""
@@ -95,7 +100,7 @@ def matched_budget(method_name: str, reference: CacheConfig, model_cfg: ModelCon
       return cache_config(method_name, budget=whole, **settings)
   base, per_step = bytes_for(lo), bytes_for(lo + step) - bytes_for(lo)   # bytes are affine in the budget
   if base > target:
-    raise ConfigError(f"{reference.name} uses {target} device bytes at max_len={max_len}, less than "
+    raise BudgetBelowSmallest(f"{reference.name} uses {target} device bytes at max_len={max_len}, less than "
                       f"{method_name} with its smallest budget={lo} ({base} bytes)")
   budget = lo + (target - base) // per_step * step
   if method_name == "infllm":

@@ -16,10 +16,16 @@ query heads (and over the step's rows): a page one head of the group needs is ke
 heads that ignore it. Quest keeps its first two layers dense; here every layer selects (a layer does not know its
 index in the decoder's per-layer loop).
 
-Simulated mode (the only one so far): `k16/v16` are device arrays read only through the gather of the chosen
-pages' rows (`fetch_simulated`), as SpeCache's simulated host cache is; they count as host bytes. Device bytes:
-the page bounds, the chosen pages and their fetched rows (`budget` rows per KV head).
-Axis letters as in caches/attention.py; P = pages, X = pages chosen per step, Y = X·page_size fetched rows.
+Simulated mode (`offload=False`): `k16/v16` are device arrays read only through the gather of the chosen pages'
+rows (`fetch_simulated`), as SpeCache's simulated host cache is; they count as host bytes. Offloaded mode
+(`offload=True`, runtime.py): `k16/v16` are absent ([B,K,0,H]); the 16-bit cache is in the host store, the
+current page's rows stay on the device (`ring_k/ring_v`, written to the host when the page fills), and the other
+X - 1 pages' rows are fetched from the host. Quest has no speculative token: a step's pages are chosen from its
+own query (`kappa_for_step`), so every fetch is on the critical path — each layer waits for its rows before it
+attends (SpeCache prefetches κ_{t+1} during the rest of step t). Device bytes, either mode: the page bounds, the
+chosen pages and their rows (`budget` rows per KV head: the fetched ones and, offloaded, the current page's).
+Axis letters as in caches/attention.py; P = pages, X = pages chosen per step, Y = X·page_size fetched rows
+(offloaded: (X - 1)·page_size, and the current page's page_size rows in the ring).
 """
 from __future__ import annotations
 
@@ -28,11 +34,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
-from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.caches.base import CacheConfig, check_int, check_offload, stack_layers
 from specache_jax.errors import ConfigError
 
 
@@ -42,9 +49,12 @@ class QuestConfig(CacheConfig):
   budget: int = 1024            # tokens attended per step, the new row's included (it lies in the current page):
                                 # whole pages, a multiple of page_size (the paper's budgets: 256 to 4096)
   page_size: int = 16           # positions per page (the paper's 16)
+  offload: bool = False         # True: the 16-bit cache lives in the host store (runtime.py)
+  host_store: str = "auto"      # offloaded store: auto | pinned_host | numpy (offload.py)
 
   def __post_init__(self):
     check_int("page_size", self.page_size, 1)
+    check_offload(self.offload, self.host_store)
     check_int("budget", self.budget, self.page_size)
     if self.budget % self.page_size:
       raise ConfigError(f"budget={self.budget} must be a multiple of page_size={self.page_size} "
@@ -65,25 +75,29 @@ class QuestConfig(CacheConfig):
 
 @struct.dataclass
 class State:
-  k16: jax.Array         # [B, K, S, H] the complete 16-bit keys (simulated host memory)
+  k16: jax.Array         # [B, K, S, H] the complete 16-bit keys (simulated host memory; [B, K, 0, H] offloaded)
   v16: jax.Array         # [B, K, S, H]
   kmin: jax.Array        # [B, K, P, H] per-page per-channel smallest key (device)
   kmax: jax.Array        # [B, K, P, H] largest key
-  pages: jax.Array       # [B, K, X] int32 the pages the last step attended
-  fetched_k: jax.Array   # [B, K, Y, H] their 16-bit rows (device), Y = X * page_size
-  fetched_v: jax.Array   # [B, K, Y, H]
+  pages: jax.Array       # [B, K, X] int32 the pages the last step attended (the current one first)
+  fetched_k: jax.Array   # [B, K, Y, H] their 16-bit rows (device), Y = X * page_size (offloaded: all but the
+  fetched_v: jax.Array   # [B, K, Y, H]  current page's, (X - 1) * page_size)
+  ring_k: jax.Array      # [B, K, page_size, H] offloaded: the current page's rows, position p at slot
+  ring_v: jax.Array      # [B, K, page_size, H]  p % page_size (simulated: [B, K, 0, H])
 
 
 def init(method: QuestConfig, model_cfg, batch: int, max_len: int, dtype) -> State:
   s, k, h = method.slots(max_len), model_cfg.n_kv_heads, model_cfg.head_dim
   x = method.pages_chosen(max_len)
-  y = x * method.page_size
+  y = (x - method.offload) * method.page_size
+  host, ring = (0, method.page_size) if method.offload else (s, 0)
   return stack_layers(model_cfg.n_layers, State(
-      k16=jnp.zeros((batch, k, s, h), dtype), v16=jnp.zeros((batch, k, s, h), dtype),
+      k16=jnp.zeros((batch, k, host, h), dtype), v16=jnp.zeros((batch, k, host, h), dtype),
       kmin=jnp.zeros((batch, k, s // method.page_size, h), dtype),
       kmax=jnp.zeros((batch, k, s // method.page_size, h), dtype),
       pages=jnp.zeros((batch, k, x), jnp.int32),
-      fetched_k=jnp.zeros((batch, k, y, h), dtype), fetched_v=jnp.zeros((batch, k, y, h), dtype)))
+      fetched_k=jnp.zeros((batch, k, y, h), dtype), fetched_v=jnp.zeros((batch, k, y, h), dtype),
+      ring_k=jnp.zeros((batch, k, ring, h), dtype), ring_v=jnp.zeros((batch, k, ring, h), dtype)))
 
 
 def page_bounds(k_BKTH, lengths_B, page_size: int):
@@ -101,21 +115,39 @@ def page_bounds(k_BKTH, lengths_B, page_size: int):
 
 
 def prefill(method: QuestConfig, st: State, k, v, lengths, colsum=None) -> State:
-  """Store a right-padded prompt (k, v [B, T, K, H], lengths [B]) in the 16-bit cache and its pages' bounds."""
+  """Store a right-padded prompt (k, v [B, T, K, H], lengths [B]) in the 16-bit cache and its pages' bounds;
+  offloaded, the runtime writes the prompt to the host store and the device keeps the rows of the page holding
+  position `lengths` (the current page; positions past the prompt are filled as decoding reaches them)."""
   del colsum
   k_BKTH, v_BKTH = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   lo, hi = page_bounds(k_BKTH, lengths, method.page_size)
   zero = jnp.zeros_like(lengths)
+  if method.offload:
+    kmin, kmax = A.write_many([(st.kmin, lo, zero), (st.kmax, hi, zero)])
+    b, n_kv = k_BKTH.shape[:2]
+    current = page_rows(jnp.broadcast_to((lengths.astype(jnp.int32) // method.page_size)[:, None, None],
+                                         (b, n_kv, 1)), method.page_size)                    # [B, K, page_size]
+    ring_k, ring_v = A.gather_rows(k_BKTH, current), A.gather_rows(v_BKTH, current)
+    return st.replace(kmin=kmin, kmax=kmax, ring_k=ring_k.astype(st.ring_k.dtype),
+                      ring_v=ring_v.astype(st.ring_v.dtype))
   k16, v16, kmin, kmax = A.write_many([(st.k16, k_BKTH, zero), (st.v16, v_BKTH, zero), (st.kmin, lo, zero),
                                        (st.kmax, hi, zero)])
   return st.replace(k16=k16, v16=v16, kmin=kmin, kmax=kmax)
 
 
 def store(method: QuestConfig, st: State, kn_BKTH, vn_BKTH, lengths) -> State:
-  """Write the T new rows at positions lengths .. lengths + T - 1 and fold each key into its page's bounds (a
-  row that starts a page replaces the bounds)."""
+  """Write the T new rows at positions lengths .. lengths + T - 1 (offloaded: into the current page's ring) and
+  fold each key into its page's bounds (a row that starts a page replaces the bounds)."""
   t = kn_BKTH.shape[2]
-  k16, v16 = A.write_many([(st.k16, kn_BKTH, lengths), (st.v16, vn_BKTH, lengths)])
+  if method.offload:
+    k16, v16 = st.k16, st.v16
+    ring_k, ring_v = st.ring_k, st.ring_v
+    for i in range(t):
+      slot = (lengths.astype(jnp.int32) + i) % method.page_size
+      ring_k, ring_v = A.write_many([(ring_k, kn_BKTH[:, :, i:i + 1], slot), (ring_v, vn_BKTH[:, :, i:i + 1], slot)])
+    st = st.replace(ring_k=ring_k, ring_v=ring_v)
+  else:
+    k16, v16 = A.write_many([(st.k16, kn_BKTH, lengths), (st.v16, vn_BKTH, lengths)])
   kmin, kmax = st.kmin, st.kmax
   for i in range(t):
     p = lengths.astype(jnp.int32) + i                                     # [B]
@@ -164,21 +196,65 @@ def fetch_simulated(method: QuestConfig, st: State, pages_BKX) -> State:
 def attend(method: QuestConfig, st: State, q, k_new, v_new, lengths):
   """q [B,T,N,H], k/v_new [B,T,K,H] after `lengths` stored tokens: store the new rows, choose the pages from
   this step's queries, gather their 16-bit rows and attend them (positions < lengths) and the new rows
-  (causal). -> (out [B,T,N,H], st, {})."""
+  (causal). Offloaded, the runtime has chosen the pages (`kappa_for_step`) and installed the host's rows
+  (`with_fetched`); the current page's come from the ring. -> (out [B,T,N,H], st, {})."""
   b, t, _, h = q.shape
   n_kv = k_new.shape[2]
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)          # [B, K, T, H]
   st = store(method, st, kn, vn, lengths)
-  st = fetch_simulated(method, st, choose_pages(method, st, q, lengths))
+  if method.offload:
+    current = jnp.broadcast_to((lengths.astype(jnp.int32) // method.page_size)[:, None, None], (b, n_kv, 1))
+    st = st.replace(pages=st.pages.at[..., :1].set(current))
+    keys, values = (jnp.concatenate([st.ring_k, st.fetched_k], axis=2),
+                    jnp.concatenate([st.ring_v, st.fetched_v], axis=2))   # [B, K, X·page_size, H]
+  else:
+    st = fetch_simulated(method, st, choose_pages(method, st, q, lengths))
+    keys, values = st.fetched_k, st.fetched_v
   stored = page_rows(st.pages, method.page_size) < lengths[:, None, None]  # [B, K, Y]
   mask = jnp.broadcast_to(stored[:, :, None, :], (b, n_kv, t, stored.shape[-1]))
-  out, _ = A.segmented_attention(q, [(st.fetched_k, st.fetched_v, mask), (kn, vn, A.causal_new_mask(b, t))],
-                                 h ** -0.5, n_kv)
+  out, _ = A.segmented_attention(q, [(keys, values, mask), (kn, vn, A.causal_new_mask(b, t))], h ** -0.5, n_kv)
   return out, st, {}
 
 
+# ----- the offloaded runtime's hooks (`base.OffloadModule`) -----
+
+def prefetches(method: QuestConfig) -> bool:
+  """No speculative token: the pages are known only from the step's own query (so no `next_index`)."""
+  return False
+
+
+def fetches_on_critical_path(method: QuestConfig) -> bool:
+  return True
+
+
+def kappa_for_step(method: QuestConfig, st: State, q, k_new, v_new, lengths):
+  """[B, K, (X - 1)·page_size] int32: the rows of the pages the step attends but the current one (which the
+  device holds), chosen as `attend` chooses them, after the new rows' keys are in the bounds."""
+  kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
+  pages = choose_pages(method, store(method, st, kn, vn, lengths), q, lengths)
+  return page_rows(pages[..., 1:], method.page_size)
+
+
+def with_fetched(method: QuestConfig, st: State, rows_BKY, k_rows_BKYH, v_rows_BKYH) -> State:
+  """The host's rows of the chosen pages (`kappa_for_step`'s rows), for the next attend."""
+  return st.replace(pages=st.pages.at[..., 1:].set(rows_BKY[..., ::method.page_size] // method.page_size),
+                    fetched_k=k_rows_BKYH.astype(st.fetched_k.dtype),
+                    fetched_v=v_rows_BKYH.astype(st.fetched_v.dtype))
+
+
+def flushes(method: QuestConfig, stored_B: np.ndarray):
+  """The rows whose current page has just filled: its page_size rows, from stored - page_size."""
+  return np.flatnonzero(stored_B % method.page_size == 0), stored_B - method.page_size
+
+
+def flushed_rows(method: QuestConfig, st: State, start_B):
+  del method, start_B
+  return st.ring_k, st.ring_v
+
+
 def device_bytes(method, st: State) -> int:
-  """The page bounds, the chosen pages and their rows; not the 16-bit cache (host memory)."""
+  """The page bounds, the chosen pages and their rows (offloaded: with the current page's ring); not the 16-bit
+  cache (host memory)."""
   return tree_nbytes(st) - tree_nbytes((st.k16, st.v16))
 
 

@@ -22,6 +22,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specache_jax import dispatch, history, quant
@@ -30,12 +31,11 @@ from specache_jax.caches import attention as A
 from specache_jax.caches import selection
 from specache_jax.caches import lowbit
 from specache_jax.caches.hit_stats import hit_stats
-from specache_jax.caches.base import CacheConfig, check_int, stack_layers
+from specache_jax.caches.base import HOST_STORES, CacheConfig, check_int, stack_layers  # noqa: F401
 from specache_jax.caches.specache_attention import mixed_attention
 from specache_jax.caches.speculation import FAITHFUL, FIELDS, SpeCacheSpeculation, robust
 from specache_jax.errors import ConfigError
 
-HOST_STORES = ("auto", "pinned_host", "numpy")   # offload.py: where the 16-bit cache lives when offloaded
 ONE_BIT_RULES = ("specache", "kivi")             # quant.py's 1-bit rules: SpeCache's levels, or KIVI's (ablation)
 ROBUST_TOPK = 128
 
@@ -201,15 +201,16 @@ def prefill(method: SpeCacheConfig, st: State, k, v, lengths, colsum=None) -> St
   return st
 
 
-def with_fetched(st: State, kappa_BKX, k_rows_BKXH, v_rows_BKXH) -> State:
+def with_fetched(method: SpeCacheConfig, st: State, kappa_BKX, k_rows_BKXH, v_rows_BKXH) -> State:
   """The one writer of κ and its fetched 16-bit rows (the simulated gather and the host store both end here)."""
+  del method
   return st.replace(kappa=kappa_BKX, fetched_k=k_rows_BKXH.astype(st.fetched_k.dtype),
                     fetched_v=v_rows_BKXH.astype(st.fetched_v.dtype))
 
 
 def fetch_simulated(st: State, kappa_BKX) -> State:
   """The simulated transfer: the only read of the 16-bit cache, a gather at κ."""
-  return with_fetched(st, kappa_BKX, A.gather_rows(st.k16, kappa_BKX), A.gather_rows(st.v16, kappa_BKX))
+  return with_fetched(None, st, kappa_BKX, A.gather_rows(st.k16, kappa_BKX), A.gather_rows(st.v16, kappa_BKX))
 
 
 def _fetch(method: SpeCacheConfig, st: State, kappa_BKX) -> State:
@@ -230,6 +231,28 @@ def store(method: SpeCacheConfig, st: State, k_BKH, v_BKH, lengths) -> State:
 def fetches_on_critical_path(method: SpeCacheConfig) -> bool:
   """Whether a step may choose (and so fetch) its own κ_t before attention (`SpeCacheSpeculation`)."""
   return method.speculation.fetches_on_critical_path
+
+
+# ----- the offloaded runtime's hooks (`base.OffloadModule`; with_fetched, kappa_for_step above and below) -----
+
+def prefetches(method: SpeCacheConfig) -> bool:
+  """A speculative step ends with κ_{t+1} chosen (`attend`): it is fetched while the later layers run."""
+  return method.speculation.speculative
+
+
+def next_index(method: SpeCacheConfig, st: State):
+  return st.kappa
+
+
+def flushes(method: SpeCacheConfig, stored_B: np.ndarray):
+  """The rows whose residual ring has just filled (every R steps): its R rows, from stored - R. The host only
+  ever serves κ rows below the ring's 16-bit keys: exactly the flushed rows."""
+  return np.flatnonzero(stored_B % method.residual == 0), stored_B - method.residual
+
+
+def flushed_rows(method: SpeCacheConfig, st: State, start_B):
+  del method, start_B
+  return st.low.ring_k, st.low.ring_v
 
 
 def corrected_heads(method: SpeCacheConfig, st: State):
