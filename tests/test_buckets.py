@@ -20,6 +20,11 @@ METHODS = {
     "robust_offloaded": lambda: sj.cache_config("specache", preset="robust", **dict(SMALL, topk=8), offload=True),
     "streaming": lambda: sj.cache_config("streaming", budget=24),
     "h2o": lambda: sj.cache_config("h2o", budget=24),
+    "quest": lambda: sj.cache_config("quest", budget=16, page_size=4),
+    "quest_offloaded": lambda: sj.cache_config("quest", budget=16, page_size=4, offload=True),
+    "infllm": lambda: sj.cache_config("infllm", budget=20, n_init=4, block_size=4, repr_topk=2),
+    "infllm_offloaded": lambda: sj.cache_config("infllm", budget=20, n_init=4, block_size=4, repr_topk=2,
+                                                offload=True),
 }
 
 
