@@ -163,6 +163,7 @@ class Decoder:
       self.state_bytes = lambda: self.drv.rt.device_bytes()
       self.host_bytes = lambda: int(self.drv.rt.store.nbytes)
     else:
+      self.drv = None
       layer_params = unstack_params_jit(params, cfg.n_layers)
       cache = states.build_cache(captured, lengths, jnp.asarray(tokens), cfg=cfg, method=method, max_len=slots,
                                  repeat=batch)
@@ -173,6 +174,12 @@ class Decoder:
       self.host_bytes = lambda: 0
     timing.block(self.carry if self.sync is None else self.sync(self.carry))
     self.setup_s = time.perf_counter() - t0
+
+  def close(self) -> None:
+    """Free the state now (and stop the host store's worker) rather than at garbage collection."""
+    if self.drv is not None:
+      self.drv.rt.store.close()
+    self.carry = None
 
   def measure(self, warmup: int, steps: int, rounds: int) -> dict:
     """`rounds` chains of `steps` back-to-back steps after `warmup` (the first compiles): median s per step."""
@@ -185,7 +192,8 @@ class Decoder:
 
 
 def measure_context(config, model, context: int, plans: dict, deadline: float, log) -> dict:
-  """One prefill at this context, then each method's batches (max and fractions), largest first."""
+  """One prefill at this context, then every method's max batch, then every method's next batch below, and so
+  on (the max batches first, should the time run out)."""
   cfg, dtype = model.config, model.params["embed"].dtype
   prompt_len, slots = cell_shape(config, context)
   tokens, lengths = random_prompts(config.seed + int(context), 1, prompt_len, cfg.vocab_size)
@@ -195,31 +203,44 @@ def measure_context(config, model, context: int, plans: dict, deadline: float, l
   out = {"prefill_s": time.perf_counter() - t0, "methods": {}}
   log(f"S={context}: prefilled one prompt of {prompt_len} tokens in {out['prefill_s']:.1f} s")
   cap = int(config.cap_gib * 2**30)
+  sizings = {}
   for label, plan in plans.items():
-    if "skipped" in plan:
-      continue
-    method = exp_methods.build(config, label, cfg, slots, dtype)
-    sz = Sizing(cfg, model.params, method, slots, prompt_len, dtype, cap, int(config.prefill_rows), label)
-    rows = out["methods"][label] = []
-    for batch in batches_to_measure(plan["max_batch"], config.fractions, int(config.max_measured_batch)):
-      rec = {"batch": batch, "is_max": batch == plan["max_batch"]}
-      rows.append(rec)
-      if time.perf_counter() > deadline:
-        rec["skipped"] = "out of time (config.max_seconds)"
-        continue
-      try:
-        rec["planned_device_bytes"] = sz.check(batch).device_bytes        # refuses a batch over the cap
-        dec = Decoder(model, method, captured, first, tokens, batch, slots, prompt_len)
-        rec.update(dec.measure(config.warmup, config.steps, config.rounds))
-        rec["tokens_per_s"] = batch / rec["step_s"]
-        if method.offload and dec.drv.seen_rows:
-          rec["speculation_miss_rate"] = dec.drv.miss_rows / dec.drv.seen_rows
-        del dec
-        log(f"S={context} {label} B={batch}: {rec['step_s'] * 1e3:.1f} ms/step, {rec['tokens_per_s']:.1f} tok/s")
-      except Exception as e:  # a cell that cannot run (host memory, a method's limit) is recorded, not fatal
-        rec["skipped"] = error_reason(e)
-        log(f"S={context} {label} B={batch}: skipped: {rec['skipped']}")
+    if "skipped" not in plan:
+      method = exp_methods.build(config, label, cfg, slots, dtype)
+      sizings[label] = Sizing(cfg, model.params, method, slots, prompt_len, dtype, cap, int(config.prefill_rows),
+                              label)
+      out["methods"][label] = [{"batch": b, "is_max": b == plan["max_batch"]} for b in batches_to_measure(
+          plan["max_batch"], config.fractions, int(config.max_measured_batch))]
+  depth = max((len(rows) for rows in out["methods"].values()), default=0)
+  for i in range(depth):
+    for label, rows in out["methods"].items():
+      if i < len(rows):
+        measure_cell(model, sizings[label], captured, first, tokens, rows[i], config, deadline)
+        rec = rows[i]
+        log(f"S={context} {label} B={rec['batch']}: " + (f"skipped: {rec['skipped']}" if "skipped" in rec else
+            f"{rec['step_s'] * 1e3:.1f} ms/step, {rec['tokens_per_s']:.1f} tok/s"))
   return out
+
+
+def measure_cell(model, sz: Sizing, captured, first, tokens, rec: dict, config, deadline: float) -> None:
+  """Decode rec["batch"] rows of the method (refused first when over the cap) into rec; a cell that cannot run
+  (host memory, out of time) gets rec["skipped"] instead."""
+  if time.perf_counter() > deadline:
+    rec["skipped"] = "out of time (config.max_seconds)"
+    return
+  dec = None
+  try:
+    rec["planned_device_bytes"] = sz.check(rec["batch"]).device_bytes        # refuses a batch over the cap
+    dec = Decoder(model, sz.method, captured, first, tokens, rec["batch"], sz.slots, sz.prompt_len)
+    rec.update(dec.measure(config.warmup, config.steps, config.rounds))
+    rec["tokens_per_s"] = rec["batch"] / rec["step_s"]
+    if sz.method.offload and dec.drv.seen_rows:
+      rec["speculation_miss_rate"] = dec.drv.miss_rows / dec.drv.seen_rows
+  except Exception as e:  # recorded, not fatal
+    rec["skipped"] = error_reason(e)
+  finally:
+    if dec is not None:
+      dec.close()
 
 
 def headline(contexts: list[dict], reference: str) -> None:
@@ -257,13 +278,15 @@ def run(config, model=None, log: Callable[[str], None] = print) -> dict:
           "rounds": config.rounds, "reference": config.reference, "fractions": list(config.fractions),
           "cap_note": CAP_NOTE, "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
   contexts = []
-  for context in config.contexts:
+  for i, context in enumerate(config.contexts):
     ctx = {"context": int(context), "plans": plan_context(config, model_cfg, params, dtype, int(context), labels)}
     contexts.append(ctx)
     log(f"S={context}: max batch under {config.cap_gib} GiB: "
         + ", ".join(f"{k} {v.get('max_batch', '-')}" for k, v in ctx["plans"].items()))
-    if not config.plan_only:
-      ctx["measured"] = measure_context(config, model, int(context), ctx["plans"], deadline, log)
+    if not config.plan_only:              # each context gets an equal share of the time left
+      now = time.perf_counter()
+      share = now + (deadline - now) / (len(config.contexts) - i)
+      ctx["measured"] = measure_context(config, model, int(context), ctx["plans"], share, log)
   headline(contexts, config.reference)
   meta["machine_end"] = timing.machine_info()
   meta["seconds"] = time.perf_counter() - t_start
