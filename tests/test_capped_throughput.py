@@ -81,7 +81,7 @@ def test_gpu_config_plans_the_papers_setting_without_a_model():
   assert 14 * 2**30 < plans["full"]["at_max"]["weights_bytes"] < 16 * 2**30
   assert plans["specache_1bit_offload"]["max_batch"] > 5 * plans["full"]["max_batch"]
   text = capped_report.markdown(json.loads(json.dumps(result)))
-  assert "Plan only" in text and "| 32768 | specache_1bit_offload |" in text
+  assert "Plan only: the max batches from shapes" in text and "| 32768 | specache_1bit_offload |" in text
   with pytest.raises(ValueError, match="needs the model unless config.plan_only"):
     ct.run(capped_cfg.get_config("gpu"), None)
 

@@ -41,6 +41,7 @@ def markdown(result: dict, plot_name: str | None = None) -> str:
            f"- load average (1/5/15 min) at start {start.get('load_average_1_5_15')}, at end "
            f"{end.get('load_average_1_5_15')}; wall time {meta.get('seconds', 0):.0f} s",
            f"- cap: {_cap(meta)} = {meta['cap_bytes']} bytes. {meta['cap_note']}",
+           *([f"- {meta['note']}"] if meta.get("note") else []),
            f"- device bytes = weights + the method's device state + the prefill activations of "
            f"{meta['prefill_rows']} sequence(s) at a time (every method; `specache_jax.memory_plan.plan_memory`); "
            "max batch = the largest batch whose bytes fit (batch + 1 does not).",
@@ -49,8 +50,6 @@ def markdown(result: dict, plot_name: str | None = None) -> str:
            "prefilled random prompt (one prefill per context for all methods and batches). Offloaded methods "
            "decode through the offloaded runtime with the host store real; the others with one jitted step per "
            f"token. Ratios are to `{meta['reference']}` at its own max batch in the same context.", ""]
-  if meta.get("plan_only"):
-    lines += ["Plan only: nothing was run (max batches from shapes).", ""]
   head = ["context", "method", "max batch", "× batch", "device GiB at max (weights + cache + act.)",
           "host GiB at max", "tok/s at max", "× tok/s"]
   rows = []

@@ -40,6 +40,17 @@ CAP_NOTE = ("On a CPU the \"device\" is host RAM: nothing limits the process to 
             "plan's budget (weights + the method's device state + one prefill chunk's activations, from shapes), "
             "enforced by refusing a batch whose planned bytes exceed it; the offloaded methods' host store (the "
             "16-bit cache) is real and lives outside the cap.")
+CAP_NOTE_DEVICE = ("The cap is the memory plan's budget (weights + the method's device state + one prefill chunk's "
+                   "activations, from shapes), enforced by refusing a batch whose planned bytes exceed it; the "
+                   "process itself may use more of the device (XLA's own allocations are not capped here). The "
+                   "offloaded methods' host store (the 16-bit cache) is real and lives in host RAM.")
+CAP_NOTE_PLAN = "Plan only: the max batches from shapes; nothing was loaded or run."
+
+
+def cap_note(plan_only: bool) -> str:
+  if plan_only:
+    return CAP_NOTE_PLAN
+  return CAP_NOTE if jax.default_backend() == "cpu" else CAP_NOTE_DEVICE
 
 
 class CapError(MemoryPlanError):
@@ -276,7 +287,7 @@ def run(config, model=None, log: Callable[[str], None] = print) -> dict:
           "prefill_rows": int(config.prefill_rows), "plan_only": bool(config.plan_only),
           "machine_start": timing.machine_info(), "warmup": config.warmup, "steps": config.steps,
           "rounds": config.rounds, "reference": config.reference, "fractions": list(config.fractions),
-          "cap_note": CAP_NOTE, "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
+          "cap_note": cap_note(bool(config.plan_only)), "note": str(config.get("note", "")), "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
   contexts = []
   for i, context in enumerate(config.contexts):
     ctx = {"context": int(context), "plans": plan_context(config, model_cfg, params, dtype, int(context), labels)}
