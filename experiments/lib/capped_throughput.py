@@ -92,10 +92,11 @@ class Sizing:
     """The plan of `batch`, or CapError when its device bytes exceed the cap."""
     p = self.plan(batch)
     if p.device_bytes > self.cap:
+      cache = p.device_bytes - self.weights - p.activation_bytes
       raise CapError(f"batch={batch} of {self.label} ({self.slots} slots) needs {gib(p.device_bytes)} of device "
-                     f"memory (weights {gib(self.weights)} + cache {gib(p.device_bytes - self.weights - p.activation_bytes)}"
-                     f" + activations {gib(p.activation_bytes)}), over the cap of {gib(self.cap)} "
-                     f"(cap_bytes={self.cap}); the largest batch that fits is {max_batch(self.fits)}")
+                     f"memory (weights {gib(self.weights)} + cache {gib(cache)} + activations "
+                     f"{gib(p.activation_bytes)}), over the cap of {gib(self.cap)} (cap_bytes={self.cap}); the "
+                     f"largest batch that fits is {max_batch(self.fits)}")
     return p
 
 
@@ -287,7 +288,8 @@ def run(config, model=None, log: Callable[[str], None] = print) -> dict:
           "prefill_rows": int(config.prefill_rows), "plan_only": bool(config.plan_only),
           "machine_start": timing.machine_info(), "warmup": config.warmup, "steps": config.steps,
           "rounds": config.rounds, "reference": config.reference, "fractions": list(config.fractions),
-          "cap_note": cap_note(bool(config.plan_only)), "note": str(config.get("note", "")), "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
+          "cap_note": cap_note(bool(config.plan_only)), "note": str(config.get("note", "")),
+          "methods": {label: exp_methods.spec_of(config, label) for label in labels}}
   contexts = []
   for i, context in enumerate(config.contexts):
     ctx = {"context": int(context), "plans": plan_context(config, model_cfg, params, dtype, int(context), labels)}
