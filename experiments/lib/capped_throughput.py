@@ -18,6 +18,7 @@ shapes, not on the rows' values — except exact_on_miss's refetches, which foll
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable
@@ -188,10 +189,11 @@ class Decoder:
     self.setup_s = time.perf_counter() - t0
 
   def close(self) -> None:
-    """Free the state now (and stop the host store's worker) rather than at garbage collection."""
+    """Stop the host store's worker and drop every reference to the state, the store and the steps (the
+    closures refer back to this object: left to the cycle collector, a cell's store outlives the cell)."""
     if self.drv is not None:
       self.drv.rt.store.close()
-    self.carry = None
+    self.drv = self.carry = self.step = self.sync = self.state_bytes = self.host_bytes = None
 
   def measure(self, warmup: int, steps: int, rounds: int) -> dict:
     """`rounds` chains of `steps` back-to-back steps after `warmup` (the first compiles): median s per step."""
@@ -253,6 +255,8 @@ def measure_cell(model, sz: Sizing, captured, first, tokens, rec: dict, config, 
   finally:
     if dec is not None:
       dec.close()
+    del dec
+    gc.collect()
 
 
 def headline(contexts: list[dict], reference: str) -> None:
