@@ -90,7 +90,8 @@ def markdown(result: dict, plot_name: str | None = None) -> str:
 def plot(result: dict, path: str) -> bool:
   """Throughput against batch, one panel per measured context, each method's max batch marked; False without
   matplotlib or with nothing measured."""
-  contexts = [c for c in result["contexts"] if c.get("measured")]
+  contexts = [c for c in result["contexts"] if any("tokens_per_s" in r for recs in c.get("measured", {}).get(
+      "methods", {}).values() for r in recs)]
   if not contexts:
     return False
   try:
@@ -109,7 +110,7 @@ def plot(result: dict, path: str) -> bool:
       if top:
         ax.plot(*top[0], marker="*", markersize=16, color=line.get_color())
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("batch")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"context {ctx['context']}; ★ = max batch under {_cap(result['meta'])}")
