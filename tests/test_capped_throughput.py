@@ -143,3 +143,14 @@ def test_the_test_variant_writes_its_files(tmp_path):
   assert "nothing limits the process to the cap" in text and "| specache_1bit_offload |" in text
   assert os.path.getsize(out + ".png") > 1000 and "](capped.png)" in text
   assert proc.stdout.startswith("# Decode throughput under a 3 MiB device-memory cap")
+
+
+def test_a_context_with_no_time_left_is_not_prefilled(tiny):
+  config = capped_cfg.get_config("test")
+  out = ct.measure_context(config, tiny, config.contexts[0], {"full": {"max_batch": 1}}, 0.0, lambda s: None)
+  assert out == {"skipped": "out of time (config.max_seconds) before the prefill", "methods": {}}
+  config.plan_only = True
+  result = ct.run(config, tiny, lambda s: None)
+  result["contexts"][0]["measured"] = dict(out, methods={"full": [{"batch": 1, "is_max": True,
+                                                                  "skipped": "out of time (config.max_seconds)"}]})
+  assert "160: out of time (config.max_seconds) before the prefill" in capped_report.markdown(result)

@@ -75,8 +75,9 @@ def markdown(result: dict, plot_name: str | None = None) -> str:
                 f"{r['planned_device_bytes'] / 2**20:.1f} | {_num(r.get('speculation_miss_rate'), '.2f')}")
         cells.append(f"| {ctx['context']} | {label} | {r['batch']}{' (max)' if r['is_max'] else ''} | {text} |")
   if cells:
-    prefill = ", ".join(f"{c['context']}: {c['measured']['prefill_s']:.1f} s" for c in result["contexts"]
-                        if "measured" in c)
+    prefill = ", ".join(f"{c['context']}: " + (f"{c['measured']['prefill_s']:.1f} s" if "prefill_s" in c["measured"]
+                                                else c["measured"].get("skipped", "not run"))
+                        for c in result["contexts"] if "measured" in c)
     lines += ["## Every measured batch", "", f"The one prefill per context (one sequence): {prefill}.", "",
               "| context | method | batch | ms/step | tok/s | state MiB (measured) | planned device MiB | "
               "speculation miss rate |", "|---:|---|---:|---:|---:|---:|---:|---:|"] + cells + [""]

@@ -210,6 +210,8 @@ def measure_context(config, model, context: int, plans: dict, deadline: float, l
   on (the max batches first, should the time run out)."""
   cfg, dtype = model.config, model.params["embed"].dtype
   prompt_len, slots = cell_shape(config, context)
+  if time.perf_counter() > deadline:                 # no time left for any cell: the prefill is not run either
+    return {"skipped": "out of time (config.max_seconds) before the prefill", "methods": {}}
   tokens, lengths = random_prompts(config.seed + int(context), 1, prompt_len, cfg.vocab_size)
   t0 = time.perf_counter()
   first, captured = states.capture(model.params, cfg, tokens, lengths)
