@@ -16,11 +16,12 @@ def main(argv):
   launch.start_one_device("capped_throughput", argv)
   config = _CONFIG.value
   logging.info("config:\n%s", config)
+  commit = capped_report.git_commit()                 # the code that runs (HEAD may move while it does)
   with launch.bad_input_as_usage():
     model = None if config.plan_only else models.load(config.model, config.dtype, config.seed)
     result = capped_throughput.run(config, model, log=logging.info)
   result["meta"]["command"] = launch.command_line("capped_throughput")
-  result["meta"]["commit"] = capped_report.git_commit()
+  result["meta"]["commit"] = commit
   print(capped_report.write(config.out, result))
 
 
