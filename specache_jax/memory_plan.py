@@ -135,7 +135,8 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   machine other than this one). prefill_rows: sequences the runtime prefills at a time; None picks the most
   (up to `batch`) whose activations fit the accelerator next to the weights and the cache (all of them when
   its free memory is unknown or shared with the host), at least 1 — `check` then refuses a run that does not
-  fit even one at a time."""
+  fit even one at a time. Any cache method may be planned: one that is not offloaded keeps its whole state on the
+  device (host_bytes 0)."""
   device = device or jax.local_devices()[0]
   if device.process_index != jax.process_index():         # another process's: its memory cannot be queried
     device = jax.local_devices()[0]
@@ -143,7 +144,7 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   nbytes = tree_nbytes
   resident = nbytes(params) + _state_bytes(model_cfg, method, batch, max_len, jnp.dtype(dtype))
   host = 2 * model_cfg.n_layers * batch * model_cfg.n_kv_heads * method.slots(max_len) * model_cfg.head_dim * \
-      jnp.dtype(dtype).itemsize
+      jnp.dtype(dtype).itemsize if method.offload else 0        # not offloaded: the whole state is on the device
   device_available = device_available if device_available is not None else _device_available_bytes(device)
   shared = platform == "cpu"
   act = lambda rows: int(prefill_activation_bytes(model_cfg, rows, prompt_len, dtype))
@@ -157,6 +158,6 @@ def plan_memory(model_cfg, method, params, batch: int, max_len: int, dtype, prom
   return MemoryPlan(
       device_bytes=resident + act(prefill_rows), host_bytes=int(host), device_available=device_available,
       host_available=host_available if host_available is not None else _host_available_bytes(),
-      shared_memory=shared, store=resolve_store_kind(method.host_store),
+      shared_memory=shared, store=resolve_store_kind(getattr(method, "host_store", "auto")),
       pinned_limit=pinned_limit if pinned_limit is not None else pinned_limit_bytes(platform),
       prefill_rows=prefill_rows, activation_bytes=act(prefill_rows))

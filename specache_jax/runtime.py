@@ -66,6 +66,13 @@ def _prefill_layer(lp, x, lengths, rope, st, row0=None, *, cfg, method, layout=N
   return dec.layer_output(cfg, lp, x, attn), _keep(st, layout), k, v
 
 
+@functools.partial(jax.jit, static_argnames=("method", "repeat", "layout"), donate_argnames=("st",))
+def _install_layer(st, k, v, lengths, colsum=None, *, method, repeat, layout=None):
+  """One layer's state after the prefill of k, v [B/repeat, T, K, H] (each row repeated `repeat` times)."""
+  rep = lambda a: None if a is None else jnp.repeat(a, repeat, axis=0)
+  return _keep(method.impl.prefill(method, st, rep(k), rep(v), lengths, rep(colsum)), layout)
+
+
 DISPATCH_GROUPS = 5       # jitted calls per decoding step (OffloadRuntime's default)
 
 
@@ -297,6 +304,29 @@ class OffloadRuntime:
     logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
     self._guard(0, "prefill", logits)
     return logits
+
+  def install_prompt(self, k_LBTKH, v_LBTKH, lengths_B, tokens_BT=None, repeat: int = 1, colsum_LBKT=None):
+    """The state `prefill` leaves, from the prompts' post-RoPE K/V computed elsewhere (a benchmark's one prefill,
+    experiments/lib/bench/states.py) instead of from the layers: each layer's state is the method's own
+    `prefill` of those rows, their 16-bit rows go to the host store. repeat: each given row stands for `repeat`
+    consecutive rows of the batch (copied one layer at a time); lengths_B, tokens_BT: the whole batch's. The
+    caller holds the first generated token (the prefill's logits are not computed here)."""
+    if k_LBTKH.shape[1] * repeat != self.batch:
+      raise ValueError(f"{k_LBTKH.shape[1]} rows x {repeat=} must make the runtime's batch={self.batch}")
+    self._init()
+    self._step_index = 0
+    self._stored = self.read(lengths_B).astype(np.int64)
+    if self.method.speculation.keeps_tokens:
+      self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
+                                         jnp.asarray(tokens_BT))
+    lengths = jnp.asarray(lengths_B, jnp.int32)
+    for l in range(self.cfg.n_layers):
+      colsum = None if colsum_LBKT is None or not self.method.needs_attention_colsum else colsum_LBKT[l]
+      self.states[l] = _install_layer(self.states[l], k_LBTKH[l], v_LBTKH[l], lengths, colsum, method=self.method,
+                                      repeat=repeat, layout=self.layout)
+      for r in range(self.batch):
+        src = r // repeat
+        self.store.write_prompt(l, k_LBTKH[l, src:src + 1], v_LBTKH[l, src:src + 1], row0=r)
 
   def _run_group(self, g, x, lengths_B, rope, rows, phase, obs=None):
     """Group g's layers in one call (states donated and replaced) -> (x, each layer's aux)."""

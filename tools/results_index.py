@@ -247,6 +247,22 @@ def _throughput(data) -> str:
           + ("; share of the host fetch hidden behind compute: " + ", ".join(hidden) if hidden else ""))
 
 
+def _capped(data) -> str:
+  """The longest context where the reference fits: each method's max batch and its tok/s ratio there."""
+  meta, contexts = data["meta"], data["contexts"]
+  ref = meta.get("reference", "full")
+  fitting = [c for c in contexts if c["plans"].get(ref, {}).get("max_batch")] or contexts
+  ctx = max(fitting, key=lambda c: c["context"])
+  parts = {}
+  for label, p in ctx["plans"].items():
+    if "max_batch" in p:
+      ratio = p.get("tokens_per_s_ratio")
+      parts[label] = f"{p['max_batch']}" + (f" ({ratio:.2f}× tok/s)" if ratio is not None else "")
+  cap = meta["cap_gib"]
+  cap_text = f"{cap:g} GiB" if cap >= 1 else f"{meta['cap_bytes'] / 2**20:.4g} MiB"
+  return f"max batch under a {cap_text} cap at {ctx['context']} tokens (decode tok/s × {ref}'s): " + _name_some(parts)
+
+
 def _cpu_kernels(data) -> str:
   cell = max(data["steps"], key=lambda c: (int(c["S"]), -int(c["B"])))
   steps = {m: " / ".join(f"{v[mode]['ms_per_step']:.1f}" if mode in v else "–"
@@ -303,6 +319,7 @@ KINDS = (
     (_experiment("peer"), "speed", _peer, ""),
     (_experiment("caches"), "speed", _caches, ""),
     (_experiment("throughput"), "speed", _throughput, ""),
+    (_experiment("capped_throughput"), "speed", _capped, ""),
     (lambda d: isinstance(d, dict) and {"products", "steps"} <= set(d), "speed", _cpu_kernels, ""),
     (lambda d: isinstance(d, dict) and "variants" in ((d.get("cells") or [{}])[0]) and "bits" not in d["cells"][0],
      "speed", _topk, ""),

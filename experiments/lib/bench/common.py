@@ -54,7 +54,11 @@ class RuntimeDriver:
     """Prefill + pre-decoding -> carry (inp [B, W], lengths [B], pending fetches, missed [B] or None), as
     `decode.start` does."""
     lengths = jnp.asarray(lengths_B, jnp.int32)
-    first = decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths))
+    return self.start(decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths)), lengths)
+
+  def start(self, first, lengths):
+    """The carry after a prefill that gave the first token `first` [B] (the runtime's prefill, or its
+    `install_prompt`): the pre-decoding pass where the method has one."""
     if not self.method.speculation.predecodes:
       return decode.first_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)

@@ -101,12 +101,17 @@ def take_rows(captured: Captured, first_B, batch: int):
   return first_B[:batch], jax.tree.map(lambda x: x[:, :batch], captured)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len"))
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_len", "repeat"))
 def build_cache(captured: Captured, lengths_B, tokens_BT=None, *, cfg, method: CacheConfig,
-                max_len: int) -> Cache:
+                max_len: int, repeat: int = 1) -> Cache:
   """The method's prefilled cache (leaves [L, ...]) for prompts of `lengths` tokens in `max_len` slots.
-  tokens_BT: the prompts' ids, which a method with `keeps_tokens` stores (`Cache.tokens`)."""
+  tokens_BT: the prompts' ids, which a method with `keeps_tokens` stores (`Cache.tokens`). repeat: each captured
+  row stands for `repeat` consecutive rows of the batch, copied inside each layer's step (one layer's copies
+  exist at a time); lengths_B and tokens_BT are the whole batch's."""
   b = lengths_B.shape[0]
+  if b != captured.k.shape[1] * repeat:
+    raise ValueError(f"lengths_B has {b} rows; the capture's {captured.k.shape[1]} rows x {repeat=} make "
+                     f"{captured.k.shape[1] * repeat}")
   ids = None
   if method.speculation.keeps_tokens:
     if tokens_BT is None:
@@ -117,7 +122,7 @@ def build_cache(captured: Captured, lengths_B, tokens_BT=None, *, cfg, method: C
   st = method.impl.init(method, cfg, b, max_len, dtype)
 
   def one(args):
-    st_l, k, v, colsum = args
+    st_l, k, v, colsum = (args[0], *(jnp.repeat(a, repeat, axis=0) for a in args[1:]))
     return method.impl.prefill(method, st_l, k, v, lengths_B, colsum if method.needs_attention_colsum else None)
 
   layers = jax.lax.map(one, (st, captured.k, captured.v, captured.colsum))
