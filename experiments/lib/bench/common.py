@@ -56,7 +56,7 @@ class RuntimeDriver:
     lengths = jnp.asarray(lengths_B, jnp.int32)
     first = decode.guess(self.rt.prefill(jnp.asarray(tokens_BT), lengths))
     if not self.method.speculation.predecodes:
-      return decode.first_input(self.method, first), lengths, None, None
+      return decode.start_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)
     guesses = first_guesses(self.params, x, first, self.rt.tokens, lengths, cfg=self.cfg, method=self.method)
     return decode.first_input(self.method, first, guesses), lengths, pending, None
