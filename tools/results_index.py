@@ -38,6 +38,8 @@ ARCHIVED = {
     "archive/ablations_1203": "the ablation table of 2026-12-03, before the in-place caches and the kernels; "
                               "`ablations` reran it whole at a later commit, with the residual length and "
                               "pre-decoding variants",
+    "archive/perplexity_1203": "perplexity by position of 2026-12-03, before the in-place caches and the "
+                               "kernels; `perplexity` reran the same labels at a later commit",
 }
 SECTIONS = (("accuracy", "Accuracy: retrieval, RULER, perplexity, speculation"),
             ("speed", "Speed: decode steps, prefill, kernels"),
