@@ -1,4 +1,5 @@
-"""SpeCache ablations — k, bits, group size, 1-bit quantizer, speculative fetch — on NIAH and perplexity.
+"""SpeCache ablations — k, bits, group size, residual length, 1-bit quantizer, speculative fetch, pre-decoding —
+on NIAH and perplexity.
 
 Run (from the repository root):
   python -m experiments.ablations --config=configs/ablations.py          # "cpu": SmolLM2-135M, this CPU
@@ -22,8 +23,13 @@ def variants() -> dict:
   v["g32"] = dict(BASE, group_size=32)                      # group size g ∈ {32, 64}
   v["b2"] = dict(BASE, bits=2)                              # bits b ∈ {1, 2}
   v["b2_g32"] = dict(BASE, bits=2, group_size=32)
+  # residual length R (64 is the base). g must divide R (keys are quantized a whole window at a time), so R = 16
+  # and 32 use g = R: r32 beside g32 (R = 64, g = 32) tells the two apart
+  for r in (16, 32, 128):
+    v[f"r{r}"] = dict(BASE, residual=r, group_size=min(64, r))
   v["kivi_quantizer"] = dict(BASE, one_bit="kivi")          # plain KIVI 1-bit levels (m, M) inside SpeCache
   v["non_speculative"] = dict(BASE, speculative=False)      # κ_t from the real token's own low-bit attention
+  v["no_predecode"] = dict(BASE, predecode=False)           # no pre-decoding pass: step 1 without κ_1
   v["exact_on_miss"] = dict(BASE, exact_on_miss=True)      # project extension: synchronous exact fetch on a miss
   return v
 
@@ -65,7 +71,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.output_dir = "runs/ablations_gpu"
   elif arg == "test":
     c.model = "tiny-random"
-    c.run_methods = "full,k0,non_speculative"
+    c.run_methods = "full,k0,non_speculative,no_predecode"
     c.niah.lengths = "336"
     c.niah.depths = "0.5"
     c.niah.max_new_tokens = 4

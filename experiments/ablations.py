@@ -1,4 +1,5 @@
-"""SpeCache ablations (k, bits, group size, 1-bit quantizer, speculative fetch) on NIAH and perplexity.
+"""SpeCache ablations (k, bits, group size, residual length, 1-bit quantizer, speculative fetch, pre-decoding) on
+NIAH and perplexity.
 
   python -m experiments.ablations --config=configs/ablations.py      # see the config for variants
 """

@@ -228,15 +228,19 @@ def first_token(logits_BV, rng, spec: SamplingSpec):
 
 def start_input(method: CacheConfig, first_B, logits_BV=None, tokens_BS=None, lengths_B=None):
   """The first decoding input [B, W]: T1 and, after a pre-decoding pass whose logits are logits_BV [B, V], its
-  guesses of T2 (with a looked-up one where the method has lookup: the cache's ids and lengths)."""
+  guesses of T2 (with a looked-up one where the method has lookup: the cache's ids and lengths). Without that
+  pass (logits_BV None) a speculative method's guesses are placeholders, T1 repeated (SpeCache's
+  `predecode=False`: κ_2 is their top-k; they count as guesses in the speculation's hit rate)."""
   if logits_BV is None:
-    return first_input(method, first_B)
+    placeholders_BC = jnp.repeat(first_B[:, None], method.speculation.width - 1, axis=1)
+    return first_input(method, first_B, placeholders_BC)
   return first_input(method, first_B, guesses(method, logits_BV, lookup_guess(method, tokens_BS, lengths_B, first_B)))
 
 
 def start(params, cfg: ModelConfig, method: CacheConfig, first_B, cache: Cache):
   """After the first token: SpeCache's pre-decoding pass (over the low-bit copy; picks and fetches κ1) and its
-  guess of token 2. Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
+  guess of token 2 (without the pass, `start_input`'s placeholders; the cache's κ stays empty for step 1).
+  Returns (first decoding input [B, W], cache, pre-decoding logits [B, V] or None)."""
   if not method.speculation.predecodes:
     return start_input(method, first_B), cache, None
   cache = observed(method, cache, predecode_observation(method, first_B, cache.tokens, cache.lengths))

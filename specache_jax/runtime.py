@@ -390,7 +390,8 @@ class OffloadRuntime:
     flushed, flush_start = method.impl.flushes(method, stored)            # e.g. their ring holds a whole block
     nxt_pending, auxes = [], ()
     for g, layers in enumerate(self.groups):
-      rows = pending[g].result() if self.prefetches else None            # κ_t prefetched during step t-1
+      rows = pending[g].result() if self.prefetches and pending else None   # κ_t prefetched during step t-1
+                                                          # (none: step 1 without pre-decoding has no κ_1)
       if sync:
         x, aux = self._critical_path_group(g, x, lengths_B, rope, rows, obs)
       else:
@@ -407,7 +408,8 @@ class OffloadRuntime:
     return x, auxes, nxt_pending
 
   def begin(self, tokens_BT, lengths_B, rng, spec: decode.SamplingSpec, max_new_tokens: int):
-    """Prefill, the first token, the pre-decoding pass -> (`decode.DecodeState` before step 1, pending fetches).
+    """Prefill, the first token, the pre-decoding pass (`predecodes`; else no pending fetch: step 1 attends no
+    κ_1) -> (`decode.DecodeState` before step 1, pending fetches or None).
     The state's cache carries the lengths; the layer states, the host store and the ids are the runtime's."""
     lengths = jnp.asarray(lengths_B, jnp.int32)
     logits = self.prefill(jnp.asarray(tokens_BT), lengths)

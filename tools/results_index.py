@@ -35,6 +35,11 @@ ARCHIVED = {
                                       "the whole batch-1 row with 5 prefills per method",
     "archive/caches_cpu": "decode steps per method measured before the CPU kernels and the in-place cache "
                           "updates; `peer_cpu` and `cpu_kernels_1207` time the same steps now",
+    "archive/ablations_1203": "the ablation table of 2026-12-03, before the in-place caches and the kernels; "
+                              "`ablations` reran it whole at a later commit, with the residual length and "
+                              "pre-decoding variants",
+    "archive/perplexity_1203": "perplexity by position of 2026-12-03, before the in-place caches and the "
+                               "kernels; `perplexity` reran the same labels at a later commit",
 }
 SECTIONS = (("accuracy", "Accuracy: retrieval, RULER, perplexity, speculation"),
             ("speed", "Speed: decode steps, prefill, kernels"),

@@ -1,7 +1,7 @@
 """SpeCache ablations on NIAH cells and on perplexity, in one table.
 
-The variants are ordinary entries of `config.methods` (prefetch budget k, bits b, group size g, the 1-bit
-quantizer, speculative vs non-speculative fetch; plus references). This module runs the NIAH sweep
+The variants are ordinary entries of `config.methods` (prefetch budget k, bits b, group size g, residual length
+R, the 1-bit quantizer, speculative vs non-speculative fetch, pre-decoding on or off; plus references). This module runs the NIAH sweep
 (`experiments.lib.niah`) and the perplexity sweep (`experiments.lib.perplexity`) over them, each resumable in
 its own sub-folder of `config.output_dir`, and joins their results into `summary.md` / `results.json`.
 """

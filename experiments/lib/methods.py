@@ -177,13 +177,18 @@ def settings_fingerprint_parts(config, label: str) -> Mapping[str, Any]:
     spec["match_spec"] = dict(settings_fingerprint_parts(config, spec["match"]))
   if "preset" in spec:
     kw = {k: v for k, v in spec.items() if k not in ("name", "match", "match_spec", *RUN_OPTIONS)}
-    spec["preset_settings"] = {**RETIRED_OFF, **settings_of(cache_config(spec["name"], **kw))}
+    resolved = settings_of(cache_config(spec["name"], **kw))
+    spec["preset_settings"] = {**RETIRED_OFF, **{k: v for k, v in resolved.items()
+                                                 if k not in ADDED_ON or v != ADDED_ON[k]}}
   return spec
 
 
 # Options SpeCache had when the committed cells were computed, at the value every preset had them (off): part of a
 # preset label's resolved settings, so those cells' fingerprints still match (docs/speculation.md: why removed).
 RETIRED_OFF = dict(hedge=0, hedge_shift=0, drift=0.0, candidate_merge="max", score_levels="stored")
+# Options SpeCache gained after those cells were computed, at the value that behaves as before (pre-decoding on):
+# left out of a preset label's resolved settings at that value, so its fingerprint is the one it had before.
+ADDED_ON = dict(predecode=True)
 
 
 def standard() -> dict[str, dict[str, Any]]:

@@ -1,8 +1,11 @@
 """Shared output helpers: markdown tables, result-file headers, progress bars, matplotlib setup."""
 from __future__ import annotations
 
+import functools
 import os
+import pathlib
 import platform
+import subprocess
 import sys
 import time
 from typing import Iterable, Sequence
@@ -26,13 +29,34 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: st
   return "\n".join(lines)
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CODE_PATHS = ("specache_jax", "experiments", "configs", "tools")   # what a result depends on (not results/)
+
+
+@functools.lru_cache(maxsize=None)
+def code_commit() -> str:
+  """The commit this checkout's code is at (`git rev-parse --short HEAD`), with ' + uncommitted changes' when a
+  tracked file under CODE_PATHS differs from it; 'unknown' outside a git checkout."""
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+  try:
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+      return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS).stdout.strip()
+  except (OSError, subprocess.TimeoutExpired):
+    return "unknown"
+  return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
 def header(title: str, command: str, notes: Sequence[str] = ()) -> str:
-  """Title, the command that reproduces the file, the machine, and free-form notes."""
+  """Title, the command that reproduces the file, the machine and the commit, and free-form notes."""
   devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
   lines = [f"# {title}", "", "Reproduce (from the repository root):", "", "```bash", command, "```", "",
            f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores, "
            f"{jax.device_count()} × {devices} "
-           f"(jax {jax.__version__}, Python {sys.version.split()[0]}); written {time.strftime('%Y-%m-%d %H:%M')}."]
+           f"(jax {jax.__version__}, Python {sys.version.split()[0]}); written {time.strftime('%Y-%m-%d %H:%M')} "
+           f"at commit {code_commit()}."]
   if notes:
     lines.append("")
     lines.extend(notes)

@@ -7,7 +7,8 @@ Decoding step t (per layer), input rows [T_t, T'_{t+1}] at positions n, n+1 (n =
   κ_{t+1} = top-k of the speculative row's probabilities averaged over each GQA group, candidates 0..n (the
   speculation value changes this: caches/speculation.py, docs/speculation.md).
   Only the real row's K/V is stored. Pre-decoding (`predecode`) runs T1 over the low-bit copy alone and
-  picks κ_1. `speculative=False` is the ablation that picks κ_t from the real row's own low-bit attention.
+  picks κ_1 (the `predecode=False` ablation skips it: step 1 has no κ_1). `speculative=False` is the ablation
+  that picks κ_t from the real row's own low-bit attention.
 
 Simulated mode (`offload=False`): `k16/v16` are device arrays that attention reads ONLY through the gather at
 κ (`fetch_simulated`). Offloaded mode (`offload=True`): they are absent ([B,K,0,H]); the runtime keeps them in
@@ -159,7 +160,8 @@ class State:
   low: lowbit.LowBit       # the low-bit copy + 16-bit residual ring (device)
   k16: jax.Array           # [B, K, S, H] complete 16-bit keys ("host"; [B, K, 0, H] when offloaded)
   v16: jax.Array           # [B, K, S, H]
-  kappa: jax.Array         # [B, K, X] int32 positions to use in 16-bit at the next attend
+  kappa: jax.Array         # [B, K, X] int32 positions to use in 16-bit at the next attend (-1: none; so until
+                           # the first fetch: a step 1 without pre-decoding attends no κ_1)
   fetched_k: jax.Array     # [B, K, X, H] the 16-bit rows at kappa (device)
   fetched_v: jax.Array     # [B, K, X, H]
   miss: jax.Array          # [B] bool: every speculative guess of this step's real token was wrong
@@ -177,7 +179,7 @@ def init(method: SpeCacheConfig, model_cfg, batch, max_len, dtype) -> State:
   st = State(
       low=lowbit.init(batch, k, s, h, method.bits, method.group_size, method.residual, dtype),
       k16=jnp.zeros(host, dtype), v16=jnp.zeros(host, dtype),
-      kappa=jnp.zeros((batch, k, x), jnp.int32),
+      kappa=jnp.full((batch, k, x), -1, jnp.int32),
       fetched_k=jnp.zeros((batch, k, x, h), dtype), fetched_v=jnp.zeros((batch, k, x, h), dtype),
       miss=jnp.zeros((batch,), bool),
       spec_q=jnp.zeros((batch, k, spec.candidates * (model_cfg.n_heads // k),

@@ -5,9 +5,9 @@ row positions and the validation ask about it (`CacheConfig.speculation`).
                        prompt lookup and its anchors, and `observe` (the loop's report after each step)
   NO_SPECULATION       every method but SpeCache: one row per step, nothing to observe
   SpeCacheSpeculation  SpeCache's speculation, one frozen hashable value (docs/speculation.md): the faithful
-                       method (`FAITHFUL`, the default), the non-speculative ablation (`NON_SPECULATIVE`),
-                       exact-on-miss (`EXACT_ON_MISS`) and the robust combination (`robust(topk)`), or any other
-                       composition of its fields
+                       method (`FAITHFUL`, the default), the non-speculative ablation (`NON_SPECULATIVE`), the
+                       ablation without pre-decoding (`NO_PREDECODE`), exact-on-miss (`EXACT_ON_MISS`) and the
+                       robust combination (`robust(topk)`), or any other composition of its fields
 
 SpeCache's module (caches/specache.py, selection.py, specache_attention.py) reads the fields; nothing else does.
 """
@@ -98,6 +98,9 @@ class SpeCacheSpeculation:
   and composable (docs/speculation.md: what each does and measured)."""
   speculative: bool = True      # False: the ablation: κ_t from the real row's own low-bit attention, fetched
                                 # on the critical path every step (no speculative row, no pre-decoding)
+  predecode: bool = True        # False: the ablation without the pre-decoding pass: step 1 attends with no κ_1
+                                # (every position below the ring low-bit) and its speculative rows repeat T1
+                                # (a placeholder; κ_2 is their top-k); from step 2 on, unchanged
   candidates: int = 1           # speculative rows per step: the likeliest next tokens (the guesses of the row
                                 # whose guess was right), all at n + 1; κ_{t+1}: top-k of their max probability
   exact_on_miss: bool = False   # when every guess of the step's real token was wrong, κ_t is the real row's own
@@ -116,13 +119,16 @@ class SpeCacheSpeculation:
   skip_ring: bool = False       # κ's candidates exclude the positions the attend reads in 16-bit anyway (ring)
 
   def __post_init__(self):
-    for name in ("speculative", "exact_on_miss", "correct_with_fetched", "lowbit_in_output", "exact_ring",
+    for name in ("speculative", "predecode", "exact_on_miss", "correct_with_fetched", "lowbit_in_output", "exact_ring",
                  "skip_ring"):
       _check(name, getattr(self, name), bool)
     _check("candidates", self.candidates, int, 1)
     _check("lookup", self.lookup, int, 0)
     _check("lookup_rows", self.lookup_rows, int, 0)
     _check("anchor_match", self.anchor_match, int, 1)
+    if not self.predecode and not self.speculative:
+      raise ConfigError(f"predecode={self.predecode} turns off the speculative method's pre-decoding pass; "
+                        "speculative=False has none (leave predecode at True)")
     if self.candidates > 1 and not self.speculative:
       raise ConfigError(f"candidates={self.candidates} are speculative rows; they need speculative=True")
     if self.lookup and not self.speculative:
@@ -146,7 +152,7 @@ class SpeCacheSpeculation:
 
   @property
   def predecodes(self) -> bool:
-    return self.speculative
+    return self.speculative and self.predecode
 
   @property
   def anchor_rows(self) -> int:
@@ -179,6 +185,7 @@ class SpeCacheSpeculation:
 
 FAITHFUL = SpeCacheSpeculation()
 NON_SPECULATIVE = SpeCacheSpeculation(speculative=False)
+NO_PREDECODE = SpeCacheSpeculation(predecode=False)
 EXACT_ON_MISS = SpeCacheSpeculation(exact_on_miss=True)
 
 

@@ -60,7 +60,7 @@ class RuntimeDriver:
     """The carry after a prefill that gave the first token `first` [B] (the runtime's prefill, or its
     `install_prompt`): the pre-decoding pass where the method has one."""
     if not self.method.speculation.predecodes:
-      return decode.first_input(self.method, first), lengths, None, None
+      return decode.start_input(self.method, first), lengths, None, None
     x, pending = self.rt.predecode(first, lengths)
     guesses = first_guesses(self.params, x, first, self.rt.tokens, lengths, cfg=self.cfg, method=self.method)
     return decode.first_input(self.method, first, guesses), lengths, pending, None

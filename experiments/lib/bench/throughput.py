@@ -130,7 +130,7 @@ class OffloadRunner:
                 h2d_bytes_per_step=fetched_bytes(rt.states),
                 d2h_bytes_per_step=transfer_formula(self.model.config, method, self.tokens.shape[0],
                                                     self.model.params["embed"].dtype)["d2h"],
-                note=("" if method.speculation.predecodes
+                note=("" if method.speculation.width > 1
                       else "non-speculative: κ_t chosen and fetched before attention"),
                 **({"speculation_miss_rate": self.drv.miss_rows / self.drv.seen_rows} if self.drv.seen_rows else {}))
 
