@@ -5,7 +5,8 @@
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.lib import capped_report, capped_throughput, launch
+from experiments.lib import launch
+from experiments.lib.bench import capped_report, capped_throughput
 from experiments.lib.bench import models
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/capped_throughput.py", "experiment config",

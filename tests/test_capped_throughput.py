@@ -13,8 +13,8 @@ import pytest
 
 import specache_jax as sj
 from configs import capped_throughput as capped_cfg
-from experiments.lib import capped_report
-from experiments.lib import capped_throughput as ct
+from experiments.lib.bench import capped_report
+from experiments.lib.bench import capped_throughput as ct
 from experiments.lib import methods as exp_methods
 from experiments.lib.bench import models, states
 from experiments.lib.bench.common import random_prompts
