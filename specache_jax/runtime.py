@@ -283,13 +283,17 @@ class OffloadRuntime:
     if self.check_numerics:
       guards.check_layers(step, phase, self.states, x)
 
-  def prefill(self, tokens_BT, lengths_B):
+  def _new_prompt(self, tokens_BT, lengths_B):
+    """Fresh states and host store for a new batch of prompts (their ids kept where the method looks them up)."""
     self._init()
     self._step_index = 0
     self._stored = self.read(lengths_B).astype(np.int64)
     if self.method.speculation.keeps_tokens:
       self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
                                          jnp.asarray(tokens_BT))
+
+  def prefill(self, tokens_BT, lengths_B):
+    self._new_prompt(tokens_BT, lengths_B)
     kw = dict(cfg=self.cfg, method=self.method, layout=self.layout)
     rows, logits = self.plan.prefill_rows or self.batch, []
     for r0 in range(0, self.batch, rows):                     # sequences in chunks: bounded activations
@@ -313,12 +317,7 @@ class OffloadRuntime:
     caller holds the first generated token (the prefill's logits are not computed here)."""
     if k_LBTKH.shape[1] * repeat != self.batch:
       raise ValueError(f"{k_LBTKH.shape[1]} rows x {repeat=} must make the runtime's batch={self.batch}")
-    self._init()
-    self._step_index = 0
-    self._stored = self.read(lengths_B).astype(np.int64)
-    if self.method.speculation.keeps_tokens:
-      self.tokens = history.write_prompt(history.empty(self.batch, self.method.slots(self.max_len)),
-                                         jnp.asarray(tokens_BT))
+    self._new_prompt(tokens_BT, lengths_B)
     lengths = jnp.asarray(lengths_B, jnp.int32)
     for l in range(self.cfg.n_layers):
       colsum = None if colsum_LBKT is None or not self.method.needs_attention_colsum else colsum_LBKT[l]

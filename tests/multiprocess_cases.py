@@ -7,6 +7,8 @@ METHODS = {
     "kivi": ("kivi", dict(bits=2, group_size=8, residual=16)),
     "specache": ("specache", dict(bits=1, group_size=8, residual=8, topk=4)),
     "specache_offload": ("specache", dict(bits=1, group_size=8, residual=8, topk=4, offload=True)),
+    "quest_offload": ("quest", dict(budget=8, page_size=4, offload=True)),
+    "infllm_offload": ("infllm", dict(budget=14, n_init=2, block_size=3, repr_topk=2, local=6, offload=True)),
 }
 
 
