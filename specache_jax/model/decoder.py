@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specache_jax import history
+from specache_jax import cpu_kernels, history
 from specache_jax.arrays import fusion_barrier
 from specache_jax.caches import attention as A
 from specache_jax.caches.base import Cache, CacheConfig
@@ -134,10 +134,16 @@ def layer_forward(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengt
   return layer_output(cfg, lp, x_BTD, attn), st, aux
 
 
-layer_call = jax.jit(layer_forward, static_argnames=("cfg", "method", "phase"))
-"""`layer_forward` as one program: the per-layer loop calls it once per layer, so JAX traces and lowers one layer
-(the step's StableHLO holds one layer function called L times) however deep the model; XLA inlines the calls,
-so buffer aliasing and the in-place updates are those of the unrolled loop."""
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "phase", "kernels"))
+def layer_call(cfg: ModelConfig, method: CacheConfig | None, lp, x_BTD, lengths_B, st, phase: str, rope,
+               kernels: bool):
+  """`layer_forward` as one program: the per-layer loop calls it once per layer, so JAX traces and lowers one
+  layer (the step's StableHLO holds one layer function called L times) however deep the model; XLA inlines the
+  calls, so buffer aliasing and the in-place updates are those of the unrolled loop. kernels:
+  `cpu_kernels.available()` at the call, a key of the trace cache (a trace made with the XLA:CPU kernels off,
+  `cpu_kernels.disabled()`, is not the one made with them on)."""
+  del kernels
+  return layer_forward(cfg, method, lp, x_BTD, lengths_B, st, phase, rope)
 
 
 def embed(params, tokens_BT):
@@ -214,9 +220,10 @@ def forward(params, cfg: ModelConfig, tokens_BT, cache: Cache | None, method: Ca
 
   if cache is not None and is_per_layer(cache.layers):
     lps = unstack_layers(params["layers"], cfg.n_layers)
+    kernels = cpu_kernels.available()
     new_states, auxes = [], []
     for lp, st in zip(lps, cache.layers):
-      x, st, aux = layer_call(cfg, method, lp, x, lengths, st, phase, rope)
+      x, st, aux = layer_call(cfg, method, lp, x, lengths, st, phase, rope, kernels=kernels)
       new_states.append(st)
       auxes.append(aux)
     new_states = tuple(new_states)
