@@ -177,6 +177,19 @@ def test_infllm_attends_initial_window_and_the_blocks_of_best_representatives(se
 SMALL = dict(n_init=4, block_size=4, repr_topk=2)          # InfLLM's settings at the tiny model's scale
 
 
+def _teacher_forced(params, cfg, method, prompt, prefix: int):
+  """Prefill the prompt's first `prefix` tokens into a 64-slot cache, then decode the rest one token at a time
+  -> (each decoded row's logits [T - prefix, V], the cache)."""
+  toks = jnp.asarray([prompt])
+  _, cache, _ = forward(params, cfg, toks[:, :prefix], init_cache(method, cfg, 1, 64, jnp.float32), method,
+                        "prefill")
+  got = []
+  for t in range(prefix, len(prompt)):
+    logits, cache, _ = forward(params, cfg, toks[:, t:t + 1], cache, method, "decode")
+    got.append(logits[0, 0])
+  return jnp.stack(got), cache
+
+
 @pytest.mark.parametrize("name, settings", [("quest", dict(budget=32, page_size=4)),
                                              ("infllm", dict(budget=32, **SMALL))], ids=["quest", "infllm"])
 def test_budget_covering_the_context_equals_full_at_every_decode_step(name, settings):
@@ -184,15 +197,8 @@ def test_budget_covering_the_context_equals_full_at_every_decode_step(name, sett
   cfg, params = model.config, model.params
   prompt = random_prompts(22, [24], cfg.vocab_size)[0]
   ref = sj.forward(model, np.asarray([prompt]))[0, -12:]
-  method = sj.cache_config(name, **settings)
-  toks = jnp.asarray([prompt])
-  cache = init_cache(method, cfg, 1, 64, jnp.float32)
-  _, cache, _ = forward(params, cfg, toks[:, :12], cache, method, "prefill")
-  got = []
-  for t in range(12, 24):
-    logits, cache, _ = forward(params, cfg, toks[:, t:t + 1], cache, method, "decode")
-    got.append(logits[0, 0])
-  np.testing.assert_allclose(jnp.stack(got), ref, atol=1e-4, rtol=0)
+  got, cache = _teacher_forced(params, cfg, sj.cache_config(name, **settings), prompt, 12)
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
   assert int(cache.lengths[0]) == 24
 
 
@@ -226,14 +232,8 @@ def test_a_small_budget_differs_from_full_and_stays_finite(name, settings):
   cfg, params = model.config, model.params
   prompt = random_prompts(24, [40], cfg.vocab_size)[0]
   ref = sj.forward(model, np.asarray([prompt]))[0, -8:]
-  method = sj.cache_config(name, **settings)
-  toks = jnp.asarray([prompt])
-  _, cache, _ = forward(params, cfg, toks[:, :32], init_cache(method, cfg, 1, 64, jnp.float32), method, "prefill")
-  got = []
-  for t in range(32, 40):
-    logits, cache, _ = forward(params, cfg, toks[:, t:t + 1], cache, method, "decode")
-    got.append(logits[0, 0])
-  got = np.asarray(jnp.stack(got))
+  got, _ = _teacher_forced(params, cfg, sj.cache_config(name, **settings), prompt, 32)
+  got = np.asarray(got)
   assert np.all(np.isfinite(got)) and np.max(np.abs(got - np.asarray(ref))) > 1e-3
 
 
