@@ -23,7 +23,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.iters = 7                       # timed rounds: every method runs one step per round (median reported)
   c.seed = 0                        # prompt tokens
   c.methods = methods.standard()    # label -> cache settings (experiments/lib/methods.py)
-  c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+  c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o,quest,infllm_b32"
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
   c.reference = "full"              # ratios are to this label's numbers in the same cell
@@ -58,8 +58,10 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
         specache_1bit=dict(name="specache", bits=1, group_size=8, residual=8, topk=4),
         specache_2bit=dict(name="specache", bits=2, group_size=8, residual=8, topk=4),
         streaming=dict(name="streaming", match="specache_1bit"),
-        h2o=dict(name="h2o", match="specache_1bit"))
-    c.run_methods = "full,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
+        h2o=dict(name="h2o", match="specache_1bit"),
+        quest=dict(name="quest", match="specache_1bit", page_size=8),
+        infllm=dict(name="infllm", match="specache_1bit", n_init=8, block_size=8))
+    c.run_methods = "full,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o,quest,infllm"
     c.target_context = 256
     c.profile_context = 256
     c.profile_batches = (1,)
