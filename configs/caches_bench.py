@@ -22,7 +22,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.warmup = 2                      # untimed decode steps (the first compiles)
   c.iters = 7                       # timed rounds: every method runs one step per round (median reported)
   c.seed = 0                        # prompt tokens
-  c.methods = methods.standard()    # label -> cache settings (experiments/lib/methods.py)
+  c.methods = dict(methods.standard(), **methods.retrieval())   # label -> settings (experiments/lib/methods.py)
   c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o,quest,infllm_b32"
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
