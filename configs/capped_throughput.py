@@ -20,7 +20,9 @@ def _methods(spec: dict, kivi: dict) -> dict:
       kivi_2bit=dict(kivi),
       specache_1bit_offload=dict(spec, offload=True),                            # faithful, host store real
       specache_1bit_robust_offload=dict(robust, preset="robust", offload=True),
-      streaming=dict(name="streaming", match="specache_1bit_offload"),          # SpeCache's device bytes
+      quest_offload=dict(name="quest", match="specache_1bit_offload", offload=True),    # SpeCache's device
+      infllm_offload=dict(name="infllm", match="specache_1bit_offload", offload=True),  # bytes, host store real
+      streaming=dict(name="streaming", match="specache_1bit_offload"),
       h2o=dict(name="h2o", match="specache_1bit_offload"))
 
 
@@ -43,8 +45,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.plan_only = False               # True: the max batches from shapes only (nothing loaded or run)
   c.seed = 0
   c.methods = _methods(SPECACHE, dict(name="kivi", bits=2, group_size=64, residual=128))
-  c.run_methods = "full,kivi_2bit,specache_1bit_offload,specache_1bit_robust_offload"   # + streaming,h2o: ~1.5
-                                    # min more per cell on this CPU (each batch compiles its own programs)
+  c.run_methods = ("full,kivi_2bit,specache_1bit_offload,specache_1bit_robust_offload,quest_offload,"
+                   "infllm_offload")   # + streaming,h2o: ~1.5 min more per cell on this CPU (each batch
+                                    # compiles its own programs)
   c.extra_methods = ""              # more labels: "kivi_g32=kivi:bits=2,group_size=32;..." (experiments/lib/methods.py)
   c.reference = "full"              # ratios are to this label's max batch in the same context
   c.max_seconds = 1320              # batches not started by then are recorded as skipped (each context: an

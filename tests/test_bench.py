@@ -1,5 +1,6 @@
 """The benchmarks end to end on a tiny random model: well-formed results, byte accounting, the prefilled
 states they time, the overlap measurement's range. No timing is asserted."""
+import dataclasses
 import json
 
 import jax
@@ -77,7 +78,7 @@ def test_caches_bench_end_to_end(model):
   assert [(c["context"], c["batch"]) for c in result["cells"]] == [(64, 1), (64, 2)]
   assert [c["distinct_prompt_rows"] for c in result["cells"]] == [1, 1]
   assert "note" not in result["cells"][0] and "rows repeat" in result["cells"][1]["note"]
-  labels = ["full", "kivi_2bit", "specache_1bit", "specache_2bit", "streaming", "h2o"]
+  labels = ["full", "kivi_2bit", "specache_1bit", "specache_2bit", "streaming", "h2o", "quest", "infllm"]
   for cell in result["cells"]:
     assert list(cell["methods"]) == labels
     for label, rec in cell["methods"].items():
@@ -90,9 +91,9 @@ def test_caches_bench_end_to_end(model):
     assert spec["device_bytes_ratio"] < cell["methods"]["specache_2bit"]["device_bytes_ratio"]
     assert spec["device_bytes_16bit"] < spec["device_bytes"]                   # float32 model here
     assert cell["methods"]["full"]["device_bytes_16bit"] * 2 == cell["methods"]["full"]["device_bytes"]
-    for evict in ("streaming", "h2o"):                    # sized to SpeCache 1-bit's bytes (never above)
-      assert 0.9 * spec["device_bytes"] <= cell["methods"][evict]["device_bytes"] <= spec["device_bytes"]
-      assert cell["methods"][evict]["method"]["budget"] >= 1
+    for other in ("streaming", "h2o", "quest", "infllm"):   # sized to SpeCache 1-bit's bytes (never above)
+      assert 0.9 * spec["device_bytes"] <= cell["methods"][other]["device_bytes"] <= spec["device_bytes"]
+      assert cell["methods"][other]["method"]["budget"] >= 1
   assert set(result["target"]["ratios"]) == {"specache_1bit@batch1", "specache_2bit@batch1",
                                              "specache_1bit@batch2", "specache_2bit@batch2"}
   assert result["target"]["met"] in (True, False)
@@ -201,6 +202,36 @@ def test_overlap_measurement_returns_numbers_in_range(model):
   assert out["dispatch_cpu_us_per_layer"] == pytest.approx(out["dispatch_cpu_s"] / model.config.n_layers * 1e6)
   with pytest.raises(ValueError, match="offloaded speculative"):
     overlap.measure(model, sj.cache_config(**SMALL), 96, 2, 2, 2, 3, 16, 0)
+  with pytest.raises(ValueError, match="offloaded speculative"):
+    overlap.measure(model, sj.cache_config(**SMALL, offload=True, speculative=False), 96, 2, 2, 2, 3, 16, 0)
+
+
+@pytest.mark.parametrize("predecode", [True, False])
+def test_nonspeculative_step_times_the_ablation_of_the_same_settings(model, monkeypatch, predecode):
+  """The throughput report's non-speculative row: the same SpeCache settings with speculation off (κ_t chosen
+  on the critical path), timed through the offloaded runtime."""
+  built = []
+  real = overlap.RuntimeDriver
+
+  def spy(model_, method, *args):
+    built.append(method)
+    return real(model_, method, *args)
+
+  monkeypatch.setattr(overlap, "RuntimeDriver", spy)
+  method = sj.cache_config(**SMALL, offload=True, predecode=predecode)
+  sec = overlap.nonspeculative_step(model, method, context=96, batch=2, steps=2, warmup=2, margin=16, seed=0)
+  assert sec > 0
+  (ns,) = built
+  assert not ns.speculation.speculative and ns.speculation.width == 1
+  assert dataclasses.replace(ns, speculation=method.speculation) == method     # nothing else changed
+
+
+def test_overlap_measurement_runs_without_predecoding(model):
+  """Pre-decoding off (the ablation) changes step 1 only: the overlap of the speculative fetch is still measured."""
+  method = sj.cache_config(**SMALL, offload=True, predecode=False)
+  assert not method.speculation.predecodes
+  out = overlap.measure(model, method, context=128, batch=2, steps=2, rounds=2, warmup=3, margin=16, seed=0)
+  assert out["fetch_alone_s"] > 0 and 0.0 <= out["fraction_hidden"] <= 1.0
 
 
 @pytest.mark.parametrize("every", [1, 4])

@@ -136,8 +136,9 @@ def dispatch_cpu_seconds(drv, carry, n: int):
 def measure(model, method, context: int, batch: int, steps: int, rounds: int, warmup: int, margin: int,
             seed: int) -> dict:
   """Medians over `rounds` of (a), (b), (c), each the mean over `steps` steps; method must be offloaded."""
-  if not (method.offload and method.speculation.predecodes):
-    raise ValueError(f"the overlap measurement needs an offloaded speculative SpeCache config; got {method!r}")
+  if not (method.offload and method.speculation.width > 1):   # pre-decoding on or off: only step 1 differs
+    raise ValueError(f"the overlap measurement needs an offloaded speculative SpeCache config (offload=True, "
+                     f"speculative=True); got {method!r}")
   prompt_len = context - margin
   total = warmup + 1 + 2 + rounds * 3 * steps            # (c), the dispatch-CPU steps and (a) per round
   tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
@@ -200,7 +201,9 @@ def median_interval(values, level: float = 0.9, resamples: int = 2000) -> list[f
 
 def nonspeculative_step(model, method, context, batch, steps, warmup, margin, seed) -> float:
   """Seconds per step of the non-speculative ablation (fetch on the critical path), same settings."""
-  ns = dataclasses.replace(method, speculative=False)
+  # predecode is an option of the speculative decoder only (the non-speculative one has no pass to turn off)
+  ns = dataclasses.replace(method, speculation=dataclasses.replace(method.speculation, speculative=False,
+                                                                    predecode=True))
   prompt_len = context - margin
   tokens, lengths = random_prompts(seed + context, batch, prompt_len, model.config.vocab_size)
   drv = RuntimeDriver(model, ns, batch, states.cell_slots(prompt_len, warmup + steps + 2), prompt_len)
