@@ -80,7 +80,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.fractions = (1.0, 0.5)
     spec = dict(name="specache", bits=1, group_size=16, residual=16, topk=8)
     c.methods = _methods(spec, dict(name="kivi", bits=2, group_size=16, residual=16))
-    c.run_methods = "full,specache_1bit_offload,specache_1bit_robust_offload,h2o"
+    c.methods["quest_offload"] = dict(c.methods["quest_offload"], page_size=8)
+    c.methods["infllm_offload"] = dict(c.methods["infllm_offload"], n_init=8, block_size=8)
+    c.run_methods = "full,specache_1bit_offload,specache_1bit_robust_offload,quest_offload,infllm_offload,h2o"
     c.max_seconds = 300
     c.out = "/tmp/specache_results/capped_throughput_test"
     c.note = "A tiny random model: the pipeline, not the numbers."

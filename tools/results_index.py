@@ -34,7 +34,8 @@ ARCHIVED = {
     "archive/peer_cpu_prefill_4k_b1": "a recheck of one prefill cell of `peer_cpu`; `peer_cpu_b1_prefill5` reran "
                                       "the whole batch-1 row with 5 prefills per method",
     "archive/caches_cpu": "decode steps per method measured before the CPU kernels and the in-place cache "
-                          "updates; `peer_cpu` and `cpu_kernels_1207` time the same steps now",
+                          "updates, through the whole-model forward with stacked weights and no donation; "
+                          "`caches_cpu` reran it at a later commit with the decoding loop's step",
     "archive/ablations_1203": "the ablation table of 2026-12-03, before the in-place caches and the kernels; "
                               "`ablations` reran it whole at a later commit, with the residual length and "
                               "pre-decoding variants",

@@ -1,9 +1,10 @@
 """Decode step time of every cache method on a prefilled cache, as ratios to `full` measured in the same run,
 plus each method's device bytes measured on its real state arrays.
 
-A step is the jitted `forward_jit(params, cfg, tokens, cache, method, phase="decode")` (all layers, the LM
-head), timed call by call after warm-up and blocked on the logits and the new cache; the cache is threaded
-through the calls as in a decoding loop. Each (context, batch) cell prefills its prompts once (`states`), builds
+A step is the decoding loop's step, `throughput.decode_step_jit` (all layers over per-layer weights, the LM
+head, the greedy next input; the per-layer cache donated, so updated in place), timed call by call after warm-up
+and blocked on the next input and the new cache; input and cache are threaded through the calls as in a
+decoding loop. Each (context, batch) cell prefills its prompts once (`states`), builds
 every method's state from that, and times the methods in interleaved rounds (robust to a shared machine).
 """
 from __future__ import annotations
@@ -19,25 +20,20 @@ from experiments.lib.bench import profile, states, timing
 from experiments.lib.bench.common import error_reason, random_prompts
 from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import budget
-from specache_jax.model.decoder import forward_jit
+from experiments.lib.bench.throughput import StateStepper, unstack_params_jit
 
 
-class Stepper:
-  """One method's prefilled cache and decode input; `step()` runs one decode step (the cache is threaded)."""
+class Stepper(StateStepper):
+  """One method's prefilled cache and decode input (`carry`); `step()` runs one decoding-loop step, and
+  `record` holds the method, its bytes and the build time."""
 
-  def __init__(self, params, cfg, method, captured, first_B, lengths_B, max_len):
-    self.params, self.cfg, self.method = params, cfg, method
+  def __init__(self, params, layer_params, cfg, method, captured, first_B, lengths_B, max_len):
     t0 = time.perf_counter()
-    cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=max_len)
-    self.inp, self.cache = states.first_decode_input(params, first_B, cache, cfg=cfg, method=method)
-    timing.block(self.cache)
+    super().__init__(params, layer_params, cfg, method, captured, first_B, lengths_B, max_len)
+    layers = self.carry[1].layers
     self.record = {"method": exp_methods.describe(method), "slots": max_len,
-                   "device_bytes": method.device_bytes(self.cache.layers),
-                   "resident_bytes": tree_nbytes(self.cache.layers), "build_s": time.perf_counter() - t0}
-
-  def step(self):
-    logits, self.cache, _ = forward_jit(self.params, self.cfg, self.inp, self.cache, self.method, "decode")
-    return logits, self.cache
+                   "device_bytes": method.device_bytes(layers), "resident_bytes": tree_nbytes(layers),
+                   "build_s": time.perf_counter() - t0}
 
 
 def time_interleaved(steppers: dict[str, Stepper], warmup: int, iters: int) -> None:
@@ -76,6 +72,7 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
   for each batch it has a key for (reused by the profile)."""
   cfg, params = model.config, model.params
   dtype = params["embed"].dtype
+  layer_params = unstack_params_jit(params, cfg.n_layers)
   labels = exp_methods.labels(config)
   prompt_len = context - config.margin
   steps = config.warmup + config.iters
@@ -123,7 +120,7 @@ def run_context(config, model, context: int, deadline: float, log: Callable[[str
         continue
       try:
         method = exp_methods.build(config, label, cfg, max_len, dtype)
-        steppers[label] = Stepper(params, cfg, method, captured, first, lens, max_len)
+        steppers[label] = Stepper(params, layer_params, cfg, method, captured, first, lens, max_len)
         steppers[label].record["device_bytes_16bit"] = bytes_16bit(config, label, cfg, max_len, batch)
         cell["methods"][label] = steppers[label].record
       except Exception as e:  # a cell that cannot run (memory) is recorded, not fatal

@@ -70,7 +70,7 @@ class RuntimeDriver:
     exact_on_miss the runtime is told which rows' guesses missed (a host sync per step, as `generate` has), and
     they are counted (`miss_rows` of `seen_rows`)."""
     inp, lengths, pending, missed = carry
-    miss = np.asarray(missed) if self.method.speculation.exact_on_miss and missed is not None else None
+    miss = np.asarray(missed) if self.rt.reads_misses and missed is not None else None
     if miss is not None:
       self.miss_rows, self.seen_rows = self.miss_rows + int(miss.sum()), self.seen_rows + miss.size
     x, _, pending = self.rt.step(inp, lengths, pending, miss)

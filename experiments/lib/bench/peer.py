@@ -39,7 +39,7 @@ from experiments.lib.bench.common import random_prompts
 from experiments.lib.bench.floors import (cell_bandwidth, decode_flops, floors, peer_cache_bytes, prefill_flops,
                                           weight_bytes_per_step)
 from experiments.lib.bench.peer_hf import HFRunner, greedy_parity, hf_model
-from experiments.lib.bench.throughput import decode_step_jit, make_runner
+from experiments.lib.bench.throughput import StateStepper, make_runner
 from experiments.lib.perplexity import text_windows
 from specache_jax.caches.budget import device_bytes_at
 from specache_jax.data import corpora
@@ -178,23 +178,6 @@ def random_captured(cfg, batch: int, length: int, seed: int, dtype) -> states.Ca
   shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
   return states.Captured(k=jax.random.normal(kk, shape, dtype), v=jax.random.normal(kv, shape, dtype),
                          colsum=jnp.zeros((cfg.n_layers, batch, cfg.n_kv_heads, length), jnp.float32))
-
-
-class StateStepper:
-  """Greedy decode steps from a cache state built directly (`states.build_cache` on a capture, then the
-  pre-decoding pass), no prompt run. `chain(n)` -> seconds per step over n back-to-back steps."""
-
-  def __init__(self, params, layer_params, cfg, method, captured, first_B, lengths_B, slots: int):
-    self.layer_params, self.cfg, self.method = layer_params, cfg, method
-    cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=slots)
-    self.carry = timing.block(states.first_decode_input(params, first_B, cache, cfg=cfg, method=method))
-
-  def _step(self, carry):
-    return decode_step_jit(self.layer_params, carry[0], carry[1], cfg=self.cfg, method=self.method)
-
-  def chain(self, n: int) -> float:
-    sec, self.carry = timing.time_chain(self._step, self.carry, 0, n)
-    return sec
 
 
 def scaling(config, limits: dict, deadline: float, log) -> dict:

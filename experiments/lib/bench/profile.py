@@ -30,21 +30,23 @@ from specache_jax.arrays import tree_nbytes
 from specache_jax.caches import attention as A
 from specache_jax.caches import cache_config, lowbit
 from specache_jax.caches import selection
-from specache_jax.model.decoder import forward_jit
+from experiments.lib.bench.throughput import decode_step_jit, unstack_params_jit
 
 
-def time_decode_step(params, cfg, method, cache, inp, warmup: int, iters: int) -> dict[str, Any]:
-  """Median seconds of one decode step (first call = compile + run, reported apart)."""
-  holder = {"cache": cache}
+def time_decode_step(layer_params, cfg, method, cache, inp, warmup: int, iters: int):
+  """Median seconds of one decoding-loop step (`decode_step_jit`: the per-layer cache donated, input and cache
+  threaded; first call = compile + run, reported apart) -> (stats, the cache after the last step)."""
+  holder = {"inp": inp, "cache": cache}
 
   def call():
-    logits, holder["cache"], _ = forward_jit(params, cfg, inp, holder["cache"], method, "decode")
-    return logits, holder["cache"]
+    holder["inp"], holder["cache"] = decode_step_jit(layer_params, holder["inp"], holder["cache"], cfg=cfg,
+                                                     method=method)
+    return holder["inp"], holder["cache"]
 
   first_s, _ = timing.timed(call)
   stats = timing.time_calls(call, max(warmup - 1, 0), iters)
   stats["first_call_s"] = first_s
-  return stats
+  return stats, holder["cache"]
 
 
 def _stacked(layers):
@@ -130,14 +132,16 @@ def profile_specache_step(model, method, context: int, margin: int, seed: int, i
   else:
     first, cap, lengths = captured
   full = cache_config("full")
+  layer_params = unstack_params_jit(params, cfg.n_layers)
   out = {"context": context, "batch": int(lengths.shape[0]), "method": repr(method), "pieces": {}}
   caches = {}
   for name, m in (("specache", method), ("full", full)):
     max_len = states.cell_slots(prompt_len, iters + 2)
     cache = states.build_cache(cap, lengths, cfg=cfg, method=m, max_len=max_len)
     inp, cache = states.first_decode_input(params, first, cache, cfg=cfg, method=m)
+    stats, cache = time_decode_step(layer_params, cfg, m, cache, inp, 2, iters)
     caches[name] = cache
-    out[f"step_{name}_s"] = time_decode_step(params, cfg, m, cache, inp, 2, iters)["median_s"]
+    out[f"step_{name}_s"] = stats["median_s"]
     stacked = _stacked(cache.layers)
     out[f"scan_copy_{name}_s"] = timing.time_calls(lambda: _scan_copy(stacked), 1, iters)["median_s"]
     out[f"state_bytes_{name}"] = tree_nbytes(cache.layers)

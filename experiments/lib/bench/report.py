@@ -36,7 +36,8 @@ def caches_markdown(result: dict) -> str:
   meta, cells = result["meta"], result["cells"]
   labels = list(meta["methods"])
   lines = ["# Decode step time per cache method", ""] + _machine(meta) + [
-      f"- a step = the jitted whole-model `forward_jit(..., phase=\"decode\")` on a prefilled cache, median of "
+      f"- a step = the decoding loop's step (`throughput.decode_step_jit`: per-layer weights, the per-layer cache "
+      f"donated, the greedy next input) on a prefilled cache, median of "
       f"{meta['iters']} blocked calls after {meta['warmup']} warm-up calls, the methods of a cell interleaved "
       f"(one step each per round, rotating order); ratio = method / `{meta['reference']}` in the same cell", ""]
   head = ["method"] + [f"S={c['context']} B={c['batch']}" for c in cells]

@@ -46,6 +46,30 @@ def decode_step_jit(layer_params, inp_BW, cache, *, cfg, method):
 unstack_params_jit = jax.jit(dec.unstack_params, static_argnums=(1,))
 
 
+class StateStepper:
+  """Greedy decoding-loop steps (`decode_step_jit`) from a cache state built directly (`states.build_cache` on
+  a capture, then the pre-decoding pass), no prompt run. `carry` = (next input [B, W], per-layer cache).
+  layer_params: `unstack_params_jit(params, L)` (shared by the methods of a cell)."""
+
+  def __init__(self, params, layer_params, cfg, method, captured, first_B, lengths_B, slots: int):
+    self.layer_params, self.cfg, self.method = layer_params, cfg, method
+    cache = states.build_cache(captured, lengths_B, cfg=cfg, method=method, max_len=slots)
+    self.carry = timing.block(states.first_decode_input(params, first_B, cache, cfg=cfg, method=method))
+
+  def _step(self, carry):
+    return decode_step_jit(self.layer_params, carry[0], carry[1], cfg=self.cfg, method=self.method)
+
+  def step(self):
+    """One step on the carry (the cache donated) -> the new carry (not blocked on)."""
+    self.carry = self._step(self.carry)
+    return self.carry
+
+  def chain(self, n: int) -> float:
+    """Seconds per step over n back-to-back steps."""
+    sec, self.carry = timing.time_chain(self._step, self.carry, 0, n)
+    return sec
+
+
 def transfer_formula(cfg, method, batch: int, dtype) -> dict:
   """Bytes per decoding step: host->device 2·k·K·H·bytes·L·B (the κ rows of K and V, SpeCache) and
   device->host 2·K·H·bytes·L·B (offloaded only: the real rows reach the host a ring of R at a time every R
