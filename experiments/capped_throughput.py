@@ -5,7 +5,7 @@
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.lib import launch
+from experiments.lib import launch, report
 from experiments.lib.bench import capped_report, capped_throughput
 from experiments.lib.bench import models
 
@@ -17,7 +17,7 @@ def main(argv):
   launch.start_one_device("capped_throughput", argv)
   config = _CONFIG.value
   logging.info("config:\n%s", config)
-  commit = capped_report.git_commit()                 # the code that runs (HEAD may move while it does)
+  commit = report.code_commit()                       # the code that runs (HEAD may move while it does)
   with launch.bad_input_as_usage():
     model = None if config.plan_only else models.load(config.model, config.dtype, config.seed)
     result = capped_throughput.run(config, model, log=logging.info)

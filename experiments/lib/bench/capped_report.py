@@ -3,23 +3,10 @@ against batch per context, each method's max batch under the cap marked)."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 from experiments.lib import report as exp_report
 from experiments.lib.bench import report as bench_report
 from experiments.lib.store import atomic_write_text
-
-
-def git_commit(root: str = ".") -> str:
-  """HEAD's short hash (with '+dirty' when the tracked files differ from it), or '' outside a checkout."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
-  except (OSError, subprocess.SubprocessError):
-    return ""
 
 
 def _num(x, fmt: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from absl import logging
 
-from experiments.lib import launch
+from experiments.lib import launch, report as exp_report
 from experiments.lib.bench import models, report
 from experiments.lib.store import atomic_write_text
 
@@ -21,10 +21,12 @@ def run_benchmark(name: str, config, runner, markdown, argv) -> None:
   """The body of the config-file benchmark launchers: flags (one device) -> the model (bench/models.py) ->
   runner(config, model, log) -> <config.out>.json and .md (markdown(result)), printed."""
   launch.start_one_device(name, argv)
+  commit = exp_report.code_commit()                   # the code that runs (HEAD may move while it does)
   logging.info("config:\n%s", config)
   logging.info("devices: %s", jax.devices())
   with launch.bad_input_as_usage():
     model = models.load(config.model, config.dtype, config.seed)
     result = runner(config, model, log=logging.info)
   result["meta"]["command"] = launch.command_line(name)
+  result["meta"]["commit"] = commit
   write_result(config.out, result, markdown(result))

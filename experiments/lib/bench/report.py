@@ -29,7 +29,8 @@ def _machine(meta: dict) -> list[str]:
           f"{start.get('jax')}, XLA_FLAGS=`{start.get('xla_flags')}`",
           f"- load average (1/5/15 min) at start {start.get('load_average_1_5_15')}, at end "
           f"{end.get('load_average_1_5_15')} (other jobs shared the machine when it is above ~0)",
-          f"- wall time {meta.get('seconds', 0):.0f} s; command: `{meta.get('command', '')}`"]
+          f"- wall time {meta.get('seconds', 0):.0f} s; command: `{meta.get('command', '')}`"
+          + (f"; commit: {meta['commit']}" if meta.get("commit") else "")]
 
 
 def caches_markdown(result: dict) -> str:
