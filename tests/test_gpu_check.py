@@ -91,6 +91,40 @@ def test_deadline_inside_python_writes_what_finished(tmp_path):
   assert rep["checks"]["slow"]["error"] == "interrupted: deadline" and "never" not in rep["checks"]
 
 
+def test_a_deadline_whose_exception_was_swallowed_still_stops_the_stage(tmp_path):
+  """Python ignores an exception raised in a gc callback or a __del__ (JAX's `_xla_gc_callback` swallowed the
+  alarm's Deadline once, and the stage ran on to exit 0): the passed deadline still stops the stage."""
+  body = """
+      def swallowing():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+          try:
+            time.sleep(0.05)
+          except BaseException:                        # what a gc callback does with the alarm's exception
+            pass
+        return True
+
+      def run(rec):
+        rec.check("quick", lambda: True)
+        rec.check("swallows", swallowing)
+        rec.check("never", lambda: True)
+      """
+  rc, rep, log = _run_stage(tmp_path, body, 0.5)
+  assert rc == EXIT_INTERRUPTED, log
+  assert rep["status"] == "deadline" and rep["checks"]["quick"]["ok"] is True
+  assert rep["checks"]["swallows"]["error"] == "interrupted: deadline" and "never" not in rep["checks"]
+  body_last = """
+      def run(rec):
+        rec.check("quick", lambda: True)
+        try:
+          time.sleep(2.0)                                # outside any check, the exception swallowed
+        except BaseException:
+          pass
+      """
+  rc, rep, log = _run_stage(tmp_path, body_last, 0.5)
+  assert rc == EXIT_INTERRUPTED and rep["status"] == "deadline", log
+
+
 def test_sigint_mid_stage_still_writes_the_json(tmp_path):
   body = """
       def run(rec):

@@ -62,7 +62,13 @@ class StageRecord:
     self._lock = threading.Lock()
     self._t0 = time.perf_counter()
     self._done = False
+    self._expired = False       # set by the alarm: its Deadline can be swallowed (a gc callback, a __del__)
     self.write()
+
+  def _raise_if_expired(self) -> None:
+    """The deadline as an exception where the alarm's own was swallowed."""
+    if self._expired:
+      raise Deadline(f"{self.deadline_s} s")
 
   def write(self) -> None:
     """Rewrites the JSON (atomically: a reader never sees half a file)."""
@@ -77,6 +83,7 @@ class StageRecord:
     """fn(*args, **kwargs) -> its value, recorded under checks[name] with ok (a bool value is the verdict, a dict
     its "ok" key, anything else ok) and seconds; an exception is recorded and returns None; a BaseException
     (deadline, SIGINT, SIGTERM) is recorded and re-raised: the stage stops."""
+    self._raise_if_expired()
     self.payload["current"] = name
     self.write()
     rec: dict = {}
@@ -84,6 +91,7 @@ class StageRecord:
     value = None
     try:
       value = fn(*args, **kwargs)
+      self._raise_if_expired()                          # the deadline passed during fn, its alarm swallowed
       rec.update(ok=_ok(value), value=value)
     except Exception as e:
       rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
@@ -122,6 +130,7 @@ class StageRecord:
   def run(self, body) -> int:
     """body(self) under the deadline; the final status is written whatever happens. Returns the exit code."""
     def on_alarm(signum, frame):
+      self._expired = True
       raise Deadline(f"{self.deadline_s} s")
 
     def on_term(signum, frame):
@@ -141,6 +150,7 @@ class StageRecord:
     try:
       try:
         body(self)
+        self._raise_if_expired()
         failed = sorted(k for k, v in self.payload["checks"].items() if not v.get("ok"))
         self.payload["status"] = "failed checks" if failed else "ok"
         if failed:
