@@ -24,7 +24,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.seed = 0                        # prompt tokens
   c.methods = dict(methods.standard(), **methods.retrieval())   # label -> settings (experiments/lib/methods.py)
   # The retrieval baselines as a second run (--config.run_methods=full,quest,infllm_b32): the nine methods' states
-  # at 8k x 4 rows, all live for the interleaved rounds, exceed this machine's 24 GB (XLA: cannot allocate memory)
+  # at 8k x 4 rows, all live for the interleaved rounds, ran out of a 24 GB machine (XLA: cannot allocate memory;
+  # measured with an earlier, non-donated step; full + quest + infllm_b32 alone now peak at 13.8 GB RSS)
   c.run_methods = "full,kivi_1bit,kivi_2bit,specache_1bit,specache_2bit,streaming,h2o"
   c.extra_methods = ""              # more labels from the command line, run after run_methods' (see
                                     # experiments/lib/methods.py): "kivi_g32=kivi:bits=2,group_size=32;..."
