@@ -125,8 +125,8 @@ def main() -> None:
       runs = {k: min(rs, key=lambda r: r["seconds"]) for k, rs in tries.items()}
       rows.append((model, method, runs, mib))
       print(model, method, {k: round(v["seconds"], 2) for k, v in runs.items()}, f"{mib:.1f} MiB", flush=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+  from experiments.lib.report import code_commit      # imported here: the parent needs jax for nothing else
+  commit = code_commit()
   lines = [
       "# A fresh process's first `sj.generate`: persistent compilation cache off, empty, warm",
       "",

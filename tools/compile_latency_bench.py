@@ -106,8 +106,8 @@ def main() -> None:
 
 
 def _write(args, results, load_start) -> None:
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+  from experiments.lib.report import code_commit      # imported here: the parent needs jax for nothing else
+  commit = code_commit()
   lines = [
       "# Compilation per `sj.generate` call: exact shapes vs shape buckets",
       "",

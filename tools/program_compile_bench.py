@@ -82,8 +82,8 @@ def main() -> None:
   if not args.out:
     ap.error("--out is required")
   env = dict(os.environ, SPECACHE_JAX_COMPILE_CACHE="0", JAX_PLATFORMS="cpu")
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+  from experiments.lib.report import code_commit
+  commit = code_commit()
   record = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,
                 command=" ".join([".venv/bin/python", "tools/program_compile_bench.py"] + sys.argv[1:]),
                 cpus=os.cpu_count(), load_start=os.getloadavg()[0], model=args.model, methods={})

@@ -17,7 +17,6 @@ import datetime
 import importlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -96,8 +95,8 @@ def main() -> None:
       wall = time.time() - t0
   kinds = {k: clock.union_seconds([(s, e) for kind, s, e in log.spans if kind == k]) for k in
            ("trace", "lower", "compile")}
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+  from experiments.lib.report import code_commit
+  commit = code_commit()
   record = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,
                 command=" ".join([".venv/bin/python", "tools/sweep_compile_share.py"] + sys.argv[1:]),
                 cpus=os.cpu_count(), load_start=load_start, load_end=os.getloadavg()[0], jax=jax.__version__,

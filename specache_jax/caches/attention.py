@@ -173,6 +173,14 @@ def gather_rows(buf_BKSH, idx_BKX):
   return dispatch.take_rows(buf_BKSH, idx_BKX)
 
 
+def block_rows(blocks_BKX, size: int, first: int = 0):
+  """[B, K, X·size] int32: the positions of X runs of `size` consecutive rows, run j at first + j·size (Quest's
+  pages, InfLLM's memory blocks)."""
+  b, k, x = blocks_BKX.shape
+  rows = first + blocks_BKX[..., None] * size + jnp.arange(size, dtype=jnp.int32)[None, None, None, :]
+  return rows.reshape(b, k, x * size)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillBlocks:
   """Tile sizes of the blockwise prefill attention: query rows and key columns per step."""

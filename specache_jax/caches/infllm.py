@@ -143,9 +143,11 @@ def ring_slot(method: InfLLMConfig, pos):
 
 
 def formed(method: InfLLMConfig, n_B):
-  """[B] int32 c(n): the blocks wholly out of the window after n stored tokens."""
-  return jnp.maximum(0, (n_B.astype(jnp.int32) - method.n_init - method.window + method.block_size)
-                     // method.block_size)
+  """[B] int32 c(n): the blocks wholly out of the window after n stored tokens (a numpy n_B, the runtime's
+  host-side flush check, gives numpy)."""
+  xp = np if isinstance(n_B, np.ndarray) else jnp
+  return xp.maximum(0, (n_B.astype(xp.int32) - method.n_init - method.window + method.block_size)
+                    // method.block_size)
 
 
 def _block_reps(method: InfLLMConfig, keys_at, score_BKS, first_B, n_blocks: int):
@@ -209,8 +211,7 @@ def rows_of(method: InfLLMConfig, chosen_BKX, n_B):
   n = n_B.astype(jnp.int32)[:, None, None]
   c = formed(method, n_B)[:, None, None]
   init = jnp.broadcast_to(jnp.arange(method.n_init, dtype=jnp.int32)[None, None, :], (b, n_kv, method.n_init))
-  blocks = (method.n_init + chosen_BKX[..., None] * method.block_size
-            + jnp.arange(method.block_size, dtype=jnp.int32)[None, None, None, :]).reshape(b, n_kv, -1)
+  blocks = A.block_rows(chosen_BKX, method.block_size, method.n_init)
   block_ok = jnp.broadcast_to((chosen_BKX < c)[..., None], (b, n_kv, x, method.block_size)).reshape(b, n_kv, -1)
   start = method.n_init + c * method.block_size
   window = start + jnp.arange(method.window - 1, dtype=jnp.int32)[None, None, :]
@@ -320,17 +321,9 @@ def fetches_on_critical_path(method: InfLLMConfig) -> bool:
   return True
 
 
-def block_rows(method: InfLLMConfig, chosen_BKX):
-  """[B, K, X·block_size] int32: the positions of the blocks' rows."""
-  b, n_kv, x = chosen_BKX.shape
-  rows = (method.n_init + chosen_BKX[..., None] * method.block_size
-          + jnp.arange(method.block_size, dtype=jnp.int32)[None, None, None, :])
-  return rows.reshape(b, n_kv, x * method.block_size)
-
-
 def kappa_for_step(method: InfLLMConfig, st: State, q, k_new, v_new, lengths):
   """The rows of the blocks the step attends, chosen as `attend` chooses them (`choose_blocks`)."""
-  return block_rows(method, choose_blocks(method, st, q, lengths))
+  return A.block_rows(choose_blocks(method, st, q, lengths), method.block_size, method.n_init)
 
 
 def with_fetched(method: InfLLMConfig, st: State, rows_BKY, k_rows_BKYH, v_rows_BKYH) -> State:
@@ -342,10 +335,9 @@ def with_fetched(method: InfLLMConfig, st: State, rows_BKY, k_rows_BKYH, v_rows_
 
 def flushes(method: InfLLMConfig, stored_B: np.ndarray):
   """The rows where a block has just left the window (after stored_B tokens): it goes to the host whole."""
-  def formed_np(n):
-    return np.maximum(0, (n - method.n_init - method.window + method.block_size) // method.block_size)
-  now = formed_np(stored_B)
-  return np.flatnonzero(now > formed_np(stored_B - 1)), method.n_init + np.maximum(now - 1, 0) * method.block_size
+  stored_B = np.asarray(stored_B)
+  now = formed(method, stored_B)
+  return np.flatnonzero(now > formed(method, stored_B - 1)), method.n_init + np.maximum(now - 1, 0) * method.block_size
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -125,8 +125,8 @@ def prefill(method: QuestConfig, st: State, k, v, lengths, colsum=None) -> State
   if method.offload:
     kmin, kmax = A.write_many([(st.kmin, lo, zero), (st.kmax, hi, zero)])
     b, n_kv = k_BKTH.shape[:2]
-    current = page_rows(jnp.broadcast_to((lengths.astype(jnp.int32) // method.page_size)[:, None, None],
-                                         (b, n_kv, 1)), method.page_size)                    # [B, K, page_size]
+    current = A.block_rows(jnp.broadcast_to((lengths.astype(jnp.int32) // method.page_size)[:, None, None],
+                                            (b, n_kv, 1)), method.page_size)                 # [B, K, page_size]
     ring_k, ring_v = A.gather_rows(k_BKTH, current), A.gather_rows(v_BKTH, current)
     return st.replace(kmin=kmin, kmax=kmax, ring_k=ring_k.astype(st.ring_k.dtype),
                       ring_v=ring_v.astype(st.ring_v.dtype))
@@ -180,16 +180,9 @@ def choose_pages(method: QuestConfig, st: State, q, lengths):
   return jax.lax.top_k(priority, x)[1].astype(jnp.int32)
 
 
-def page_rows(pages_BKX, page_size: int):
-  """[B, K, X·page_size] int32: the positions of the pages' rows."""
-  b, k, x = pages_BKX.shape
-  rows = pages_BKX[..., None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, None, None, :]
-  return rows.reshape(b, k, x * page_size)
-
-
 def fetch_simulated(method: QuestConfig, st: State, pages_BKX) -> State:
   """The simulated transfer: the only read of the 16-bit cache, a gather of the chosen pages' rows."""
-  rows = page_rows(pages_BKX, method.page_size)
+  rows = A.block_rows(pages_BKX, method.page_size)
   return st.replace(pages=pages_BKX, fetched_k=A.gather_rows(st.k16, rows), fetched_v=A.gather_rows(st.v16, rows))
 
 
@@ -210,7 +203,7 @@ def attend(method: QuestConfig, st: State, q, k_new, v_new, lengths):
   else:
     st = fetch_simulated(method, st, choose_pages(method, st, q, lengths))
     keys, values = st.fetched_k, st.fetched_v
-  stored = page_rows(st.pages, method.page_size) < lengths[:, None, None]  # [B, K, Y]
+  stored = A.block_rows(st.pages, method.page_size) < lengths[:, None, None]  # [B, K, Y]
   mask = jnp.broadcast_to(stored[:, :, None, :], (b, n_kv, t, stored.shape[-1]))
   out, _ = A.segmented_attention(q, [(keys, values, mask), (kn, vn, A.causal_new_mask(b, t))], h ** -0.5, n_kv)
   return out, st, {}
@@ -232,7 +225,7 @@ def kappa_for_step(method: QuestConfig, st: State, q, k_new, v_new, lengths):
   device holds), chosen as `attend` chooses them, after the new rows' keys are in the bounds."""
   kn, vn = jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2)
   pages = choose_pages(method, store(method, st, kn, vn, lengths), q, lengths)
-  return page_rows(pages[..., 1:], method.page_size)
+  return A.block_rows(pages[..., 1:], method.page_size)
 
 
 def with_fetched(method: QuestConfig, st: State, rows_BKY, k_rows_BKYH, v_rows_BKYH) -> State:
